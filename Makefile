@@ -1,0 +1,40 @@
+# The README's two commands. Both set everything up from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL := .cache/models/tiny-llama
+CONFIG ?= deployments/configs/local.yaml
+# Elsewhere than this machine, torch's CPU wheel comes from PyTorch's index:
+#   make PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" test
+PIP_EXTRA ?=
+
+.PHONY: setup serve test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(PIP_EXTRA) -e '.[cpu,dev]'
+	# PyPI's torchvision family fails to import beside the CPU torch and breaks transformers.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+$(MODEL)/config.json: $(STAMP)
+	$(BIN)/poolserve make-tiny-model $(MODEL)
+
+setup: $(STAMP) $(MODEL)/config.json
+
+serve: setup
+	$(BIN)/poolserve serve $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow
+
+bench: setup
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,148 @@
+"""The autoscaler's decision: move a pool's batch limit one ladder step, or hold.
+
+    decide(snapshot, state, config, now) -> (max_active_seqs, state, reason)
+
+`reason` carries an action (up, down, hold, clamp), a short code for metrics, and words.
+
+Pure: a snapshot of the pool's aggregated replica reports in, a target out. In order:
+
+  1. fail-static: no fresh snapshot -> hold;
+  2. a target outside the safe range is clamped into it at once (safety beats cooldown);
+  3. pressure down: P99 engine TTFT or P99 TPOT above the SLO (with enough samples),
+     KV usage above the watermark, or new preemptions;
+  4. pressure up: a queue (or rejections) that persisted for `queue_persist_ticks`
+     ticks while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
+  5. between the two (hysteresis band) -> hold;
+  6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
+     change the other way; it is one ladder step and never leaves the range.
+
+The TTFT compared with the SLO is measured from admission to first token: time spent
+in the gate's queue says "too little capacity", not "batch too large", and is the
+reason to step up, not down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pools.types import SafeRange
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """A pool's replicas, aggregated. `fresh` is False when reports are missing or old."""
+
+    fresh: bool
+    replicas: int = 0
+    queued: int = 0
+    queued_tokens: int = 0
+    active: int = 0
+    rejected_total: int = 0
+    preemptions_total: int = 0
+    kv_usage: float = 0.0
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class Reason:
+    action: str  # "up" | "down" | "hold" | "clamp"
+    code: str  # e.g. "slo_ttft", "queue", "cooldown", "stale"
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.action}: {self.text}"
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    target: int
+    last_change_at: float | None = None
+    last_direction: int = 0
+    queue_ticks: int = 0
+    seen_rejected: int | None = None
+    seen_preemptions: int | None = None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    safe_range: SafeRange
+    ttft_slo_s: float
+    tpot_slo_s: float
+    cooldown_s: float
+    reversal_cooldown_s: float
+    kv_watermark: float
+    headroom: float
+    queue_persist_ticks: int
+    min_samples: int
+
+
+def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
+    """The next ladder step from `current` in `direction` (current need not be a step)."""
+    if direction > 0:
+        return next((s for s in steps if s > current), current)
+    return next((s for s in reversed(steps) if s < current), current)
+
+
+def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preempts: int,
+              queue_ticks: int) -> tuple[int, str, str]:
+    enough = snap.samples >= cfg.min_samples
+    ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
+    if enough and ttft is not None and ttft > cfg.ttft_slo_s:
+        return -1, "slo_ttft", f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms"
+    if enough and tpot is not None and tpot > cfg.tpot_slo_s:
+        return -1, "slo_tpot", f"P99 TPOT {tpot * 1e3:.1f} ms above SLO {cfg.tpot_slo_s * 1e3:.1f} ms"
+    if snap.kv_usage > cfg.kv_watermark:
+        return -1, "kv", f"KV usage {snap.kv_usage:.0%} above watermark {cfg.kv_watermark:.0%}"
+    if new_preempts > 0:
+        return -1, "preemption", f"{new_preempts} preemptions"
+    waiting = queue_ticks >= cfg.queue_persist_ticks or new_rejects > 0
+    if not waiting:
+        return 0, "idle", "no persistent queue"
+    headroom_ok = (
+        (ttft is None or ttft <= cfg.headroom * cfg.ttft_slo_s)
+        and (tpot is None or tpot <= cfg.headroom * cfg.tpot_slo_s)
+        and snap.kv_usage <= cfg.headroom * cfg.kv_watermark
+    )
+    if not headroom_ok:
+        return 0, "band", "queue persists but latency is inside the hysteresis band"
+    if new_rejects:
+        return +1, "rejections", f"{new_rejects} rejections with latency headroom"
+    return +1, "queue", f"queue of {snap.queued} for {queue_ticks} ticks with latency headroom"
+
+
+def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float) -> tuple[int, PolicyState, Reason]:
+    steps = cfg.safe_range.steps
+    if not snap.fresh:
+        return state.target, state, Reason("hold", "stale", "stats missing or stale")
+    if state.target < steps[0] or state.target > steps[-1]:
+        clamped = min(max(state.target, steps[0]), steps[-1])
+        moved = replace(state, target=clamped, last_change_at=now,
+                        last_direction=1 if clamped > state.target else -1)
+        return clamped, moved, Reason("clamp", "range", f"{state.target} is outside the safe range "
+                                                        f"[{steps[0]}, {steps[-1]}]")
+
+    new_rejects = 0 if state.seen_rejected is None else max(0, snap.rejected_total - state.seen_rejected)
+    new_preempts = 0 if state.seen_preemptions is None else max(0, snap.preemptions_total - state.seen_preemptions)
+    queue_ticks = state.queue_ticks + 1 if snap.queued > 0 else 0
+    state = replace(state, queue_ticks=queue_ticks, seen_rejected=snap.rejected_total,
+                    seen_preemptions=snap.preemptions_total)
+
+    direction, code, why = _pressure(snap, cfg, new_rejects, new_preempts, queue_ticks)
+    if direction == 0:
+        return state.target, state, Reason("hold", code, why)
+    nxt = _step(steps, state.target, direction)
+    if nxt == state.target:
+        edge = "top" if direction > 0 else "bottom"
+        return state.target, state, Reason("hold", "range_edge", f"at the {edge} of the safe range: {why}")
+    if state.last_change_at is not None:
+        waited = now - state.last_change_at
+        reversing = state.last_direction != 0 and direction != state.last_direction
+        need = cfg.reversal_cooldown_s if reversing else cfg.cooldown_s
+        if waited < need:
+            kind = "reversal_cooldown" if reversing else "cooldown"
+            return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "
+                                                             f"wants {'up' if direction > 0 else 'down'}: {why}")
+    moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0)
+    return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

@@ -1,0 +1,112 @@
+"""Calibration profiles: what a sweep measured on one pool, and the safe range it chose.
+
+A profile is only valid for the set-up it was measured on. Its fingerprint
+(`pools.config.Fingerprint`) names the model, dtype / quantisation, context length,
+hardware, vLLM version and engine ceilings; a running pool whose own fingerprint
+differs treats the profile as stale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from pools.config import Fingerprint, Frozen
+
+__all__ = ["Fingerprint", "Profile", "load_profile", "dump_profile"]
+
+
+class Percentiles(Frozen):
+    p50: float
+    p95: float
+    p99: float
+
+
+class LengthStats(Frozen):
+    p50: int
+    p90: int
+    p99: int
+
+
+class TrafficSpec(Frozen):
+    source: str
+    scale: float
+    seed: int
+    prompt_tokens: LengthStats
+    output_tokens: LengthStats
+    total_tokens: LengthStats
+
+
+class LadderRow(Frozen):
+    max_active_seqs: int
+    requests: int
+    duration_s: float
+    steady: bool
+    req_per_s: float
+    input_tok_per_s: float
+    output_tok_per_s: float
+    goodput_req_per_s: float
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    e2e_ms: Percentiles
+    kv_usage_max: float
+    preemptions: int
+    errors: int
+    rejections: int
+
+
+class KneeRule(Frozen):
+    """Saturation begins at the first step whose marginal output-throughput gain is below
+    `min_gain_pct` while P99 TTFT grows by more than `max_p99_growth_pct`, or whose P99
+    growth exceeds `max_growth_per_gain` times its gain (a tenth more throughput for
+    double the tail is past the knee). Hard limits override: any SLO broken, KV usage
+    above `kv_watermark`, or an error rate above `max_error_rate`."""
+
+    min_gain_pct: float = 10.0
+    max_p99_growth_pct: float = 40.0
+    max_growth_per_gain: float = 4.0
+    kv_watermark: float = 0.9
+    max_error_rate: float = 0.01
+    headroom_steps: int = Field(0, ge=0)
+
+
+class SLOSpec(Frozen):
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+
+
+class CudaGraphCheck(Frozen):
+    captured: tuple[int, ...] = ()
+    missed: tuple[int, ...] = ()
+    note: str = ""
+
+
+class Profile(Frozen):
+    version: int = 1
+    pool: str
+    created_at: str
+    fingerprint: Fingerprint
+    slo: SLOSpec
+    traffic: TrafficSpec
+    rule: KneeRule
+    rows: tuple[LadderRow, ...]
+    knee: int | None
+    range: tuple[int, int]
+    feasible: bool = True
+    reason: str
+    cudagraph: CudaGraphCheck = CudaGraphCheck()
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        return tuple(r.max_active_seqs for r in self.rows)
+
+
+def load_profile(path: str | Path) -> Profile:
+    return Profile.model_validate(yaml.safe_load(Path(path).read_text()))
+
+
+def dump_profile(profile: Profile, path: str | Path) -> None:
+    data = profile.model_dump(mode="json")
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, width=100))

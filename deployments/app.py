@@ -1,0 +1,197 @@
+"""The composition root: one config in, one Serve application out.
+
+    router (ingress)  ->  pool-<name> (PoolServer, one deployment per pool)
+          |                      |  report stats / receive limits
+          +-> quota-ledger       +-> autoscale-controller
+
+`build_app(resolved)` is used by `poolserve serve`; `app_builder(args)` is the import
+path for `serve run` / `serve deploy` / KubeRay's serveConfigV2
+(`deployments.app:app_builder` with args `{config_path}` or `{config, base_dir}`).
+Serve wiring lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+
+from autoscale.config import AutoscaleConfig
+from autoscale.controller import ControllerService, PoolSpec
+from deployments.config import Resolved, ResolvedPool, load, parse, resolve
+from pools.config import PoolConfig
+from pools.gate import Ceilings, QueuePolicy
+from pools.kv_budget import GIB
+from pools.types import PriorityClass
+from router.leases import LedgerService
+from router.policy import BorrowRule
+from router.quota import Quota
+
+ROUTER = "router"
+CONTROLLER = "autoscale-controller"
+LEDGER = "quota-ledger"
+
+
+def pool_deployment_name(pool: str) -> str:
+    return f"pool-{pool}"
+
+
+def fingerprint_base(resolved: Resolved, pool: PoolConfig) -> dict[str, Any]:
+    m = resolved.config.model
+    return {"model": m.id, "dtype": m.dtype, "quantization": m.quantization or "none",
+            "max_model_len": m.max_model_len, "max_num_seqs": pool.engine.max_num_seqs,
+            "max_num_batched_tokens": pool.engine.max_num_batched_tokens, "kv_cache_gb": pool.engine.kv_cache_gb}
+
+
+def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str = "priority"):
+    """The ray.serve.llm LLMConfig of one pool: its engine ceilings and placement."""
+    from ray.serve.llm import LLMConfig
+
+    m, e, r = resolved.config.model, rp.config.engine, rp.config.replicas
+    engine_kwargs = {
+        "dtype": m.dtype, "max_model_len": m.max_model_len, "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens, "enable_chunked_prefill": e.enable_chunked_prefill,
+        "scheduling_policy": scheduling_policy, "enforce_eager": e.enforce_eager,
+        "kv_cache_memory_bytes": int(e.kv_cache_gb * GIB), "disable_log_stats": False,
+    }
+    if e.block_size:
+        engine_kwargs["block_size"] = e.block_size
+    if m.quantization:
+        engine_kwargs["quantization"] = m.quantization
+    env = {"VLLM_CPU_OMP_THREADS_BIND": e.cpu_threads_bind} if e.cpu_threads_bind else {}
+    return LLMConfig(
+        model_loading_config={"model_id": m.id, "model_source": resolved.model_source},
+        engine_kwargs=engine_kwargs,
+        accelerator_config={"kind": "gpu" if r.num_gpus > 0 else "cpu"},
+        runtime_env={"env_vars": env} if env else None,
+        deployment_config=pool_serve_options(rp),
+        log_engine_metrics=True,
+    )
+
+
+def pool_serve_options(rp: ResolvedPool, name: str | None = None) -> dict[str, Any]:
+    """Serve options: room for the gate's whole queue plus its slots, so Serve never queues
+    in front of the gate, and replica autoscaling tuned for slow-starting LLM replicas.
+    They travel in the LLMConfig's `deployment_config`, where ray.serve.llm merges the
+    engine's placement and runtime env into them."""
+    c = rp.config
+    r = c.replicas
+    autoscaling = {
+        "min_replicas": r.min, "max_replicas": r.max, "initial_replicas": max(r.min, 1),
+        "target_ongoing_requests": r.target_ongoing_requests or float(rp.safe_range.high),
+        "upscale_delay_s": r.upscale_delay_s, "downscale_delay_s": r.downscale_delay_s,
+    }
+    actor = {"num_cpus": r.num_cpus}
+    if r.resources:
+        actor["resources"] = dict(r.resources)
+    return {
+        "name": name or pool_deployment_name(rp.name),
+        "max_ongoing_requests": c.queue.max_queued + c.engine.max_num_seqs + 16,
+        "autoscaling_config": autoscaling,
+        "ray_actor_options": actor,
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+    }
+
+
+def pool_settings(resolved: Resolved, rp: ResolvedPool):
+    from pools.server import PoolSettings
+
+    c, a, m = rp.config, resolved.config.autoscale, resolved.config.model
+    queue = QueuePolicy(
+        max_queued=c.queue.max_queued,
+        max_queued_tokens=c.queue.max_queued_tokens or c.queue.max_queued * m.max_model_len,
+        max_wait_s=c.queue.max_wait_ms / 1e3,
+        min_batch_tokens=c.queue.min_batch_tokens,
+    )
+    return PoolSettings(
+        name=rp.name,
+        start_seqs=rp.start_seqs,
+        safe_range=rp.safe_range,
+        ceilings=Ceilings(c.engine.max_num_seqs, rp.safe_range.max_inflight_tokens),
+        queue=queue,
+        report_interval_s=a.report_interval_s,
+        latency_window_s=a.latency_window_s,
+        stream_batching_ms=c.stream_batching_ms,
+        fingerprint_base=fingerprint_base(resolved, c),
+        profile_fingerprint=rp.profile.fingerprint if rp.profile else None,
+    )
+
+
+def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | None) -> Application:
+    from ray.serve.llm import build_llm_deployment
+
+    from pools.server import PoolServer
+
+    return build_llm_deployment(
+        llm_config(resolved, rp),
+        deployment_cls=PoolServer,
+        bind_kwargs={"settings": pool_settings(resolved, rp), "controller": controller},
+        override_serve_options={"name": pool_deployment_name(rp.name)},
+    )
+
+
+def build_controller(resolved: Resolved) -> Application:
+    specs = {
+        name: PoolSpec(name, rp.safe_range, rp.config.slo.ttft_p99_ms / 1e3, rp.config.slo.tpot_p99_ms / 1e3,
+                       rp.config.engine.max_num_seqs)
+        for name, rp in resolved.pools.items()
+    }
+    return serve.deployment(ControllerService, name=CONTROLLER, num_replicas=1, max_ongoing_requests=10_000,
+                            ray_actor_options={"num_cpus": 0}).bind(specs, resolved.config.autoscale)
+
+
+def build_ledger(resolved: Resolved) -> Application:
+    quotas = {t.name: Quota(**t.quota.model_dump()) for t in resolved.config.tenants}
+    return serve.deployment(LedgerService, name=LEDGER, num_replicas=1, max_ongoing_requests=10_000,
+                            ray_actor_options={"num_cpus": 0}).bind(quotas)
+
+
+def router_settings(resolved: Resolved):
+    from router.app import PoolRoute, RouterSettings
+
+    c = resolved.config
+    routes = []
+    for name, rp in resolved.pools.items():
+        b = rp.config.borrow
+        routes.append(PoolRoute(
+            name=name, prefix=rp.config.route_prefix.lstrip("/"),
+            start_capacity=rp.start_seqs * max(1, rp.config.replicas.min),
+            default_priority=PriorityClass.parse(rp.config.default_priority),
+            borrow=BorrowRule(b.into, b.max_share, b.while_below_utilisation) if b else None,
+        ))
+    return RouterSettings(c.model.id, resolved.model_source, c.model.max_model_len, c.router, c.tenants,
+                          tuple(routes))
+
+
+def build_router(resolved: Resolved, pools: dict[str, Application], controller: Application,
+                 ledger: Application) -> Application:
+    from router.ingress import make_app, route_class
+
+    c = resolved.config.router
+    app = make_app()
+    ingress = serve.ingress(app)(route_class(app))
+    return serve.deployment(ingress, name=ROUTER, num_replicas=c.replicas, max_ongoing_requests=c.max_ongoing_requests,
+                            ray_actor_options={"num_cpus": 0.5}).bind(
+        router_settings(resolved), pools, controller, ledger)
+
+
+def build_app(resolved: Resolved) -> Application:
+    controller = build_controller(resolved)
+    ledger = build_ledger(resolved)
+    pools = {name: build_pool(resolved, rp, controller) for name, rp in resolved.pools.items()}
+    return build_router(resolved, pools, controller, ledger)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve's application-builder entry point (`serve run deployments.app:app_builder`)."""
+    if "config_path" in args:
+        return build_app(load(args["config_path"]))
+    config = parse(args["config"], "serveConfigV2 args.config")
+    return build_app(resolve(config, Path(args.get("base_dir", ".")), "serveConfigV2 args.config"))
+
+
+def autoscale_config(resolved: Resolved) -> AutoscaleConfig:
+    return resolved.config.autoscale

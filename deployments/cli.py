@@ -1,0 +1,177 @@
+"""The `poolserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+APP_NAME = "poolserve"
+
+
+def load_or_report(path: str):
+    """The resolved config, warnings printed; None (problems printed) when it is invalid."""
+    from deployments.config import ConfigError, load
+
+    try:
+        resolved = load(path)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return None
+    for w in resolved.warnings:
+        print(f"warning: {w}")
+    return resolved
+
+
+def _cmd_validate(args) -> int:
+    resolved = load_or_report(args.config)
+    if resolved is None:
+        return 1
+    for name, rp in resolved.pools.items():
+        r = rp.safe_range
+        src = f"profile {rp.config.limits.profile}" if rp.profile else "manual range (uncalibrated)"
+        kv = f", KV {rp.kv_capacity_tokens} tokens" if rp.kv_capacity_tokens else ""
+        print(f"pool {name}: {rp.config.route_prefix}, safe range [{r.low}, {r.high}] from {src}, "
+              f"start {rp.start_seqs}{kv}")
+    print(f"{args.config}: OK")
+    return 0
+
+
+def _cmd_make_tiny_model(args) -> int:
+    from pools.tiny_model import directory_digest, make_tiny_model
+
+    out = make_tiny_model(args.dir)
+    print(f"wrote {out} (sha256 {directory_digest(out)[:16]})")
+    return 0
+
+
+def _cmd_hash_key(args) -> int:
+    from deployments.config import sha256_hex
+
+    print(sha256_hex(args.key))
+    return 0
+
+
+def _cmd_kv_budget(args) -> int:
+    from pools.kv_budget import GIB, KVBudget, ModelShape
+
+    if args.config:
+        from deployments.config import load
+
+        resolved = load(args.config)
+        pool = resolved.pools[args.pool or next(iter(resolved.pools))]
+        model_dir, gib = Path(resolved.model_source), pool.config.engine.kv_cache_gb
+        block = pool.config.engine.block_size or 16
+        lengths = [pool.config.traffic.p50_tokens, pool.config.traffic.p90_tokens, pool.config.traffic.p99_tokens]
+        dtype = resolved.config.model.dtype
+    else:
+        model_dir, gib, block, dtype = Path(args.model_dir), args.kv_gb, args.block_size, args.dtype
+        lengths = [int(x) for x in args.lengths.split(",")]
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()), dtype)
+    kv = KVBudget(shape, int(gib * GIB), block)
+    print(f"model {model_dir}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} head_dim x "
+          f"{shape.bytes_per_element} bytes")
+    print(f"KV bytes per token: {shape.bytes_per_token}")
+    print(f"KV budget {gib} GiB = {kv.capacity_tokens} tokens ({kv.capacity_blocks} blocks of {block})")
+    for label, n in zip(("p50", "p90", "p99"), lengths):
+        print(f"  {label} {n:>6} tokens/sequence -> {kv.max_sequences(n)} concurrent sequences")
+    return 0
+
+
+def _cmd_serve(args) -> int:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    resolved = load_or_report(args.config)
+    if resolved is None:
+        return 1
+    c = resolved.config
+    host = args.host or c.router.host
+    port = args.port or c.router.port
+    if c.ray.address:
+        ray.init(address=c.ray.address)
+    else:
+        ray.init(num_cpus=c.ray.num_cpus, include_dashboard=c.ray.dashboard,
+                 _metrics_export_port=c.ray.metrics_export_port)
+    serve.start(http_options={"host": host, "port": port})
+    print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
+    serve.run(build_app(resolved), name=APP_NAME, route_prefix="/")
+    base = f"http://{host}:{port}"
+    print(f"\npoolserve is up at {base}")
+    for name, rp in resolved.pools.items():
+        print(f"  pool {name:<14} {base}{rp.config.route_prefix}/v1/chat/completions  (and /completions)")
+    print(f"  default pool      {base}/v1/chat/completions")
+    print(f"  models / health   {base}/v1/models  {base}/healthz")
+    print(f"  admin             {base}/admin/pools  (Authorization: Bearer <admin key>)")
+    print(f"  metrics           http://127.0.0.1:{c.ray.metrics_export_port}/metrics")
+    if c.ray.dashboard and not c.ray.address:
+        print("  ray dashboard     http://127.0.0.1:8265  (job submission: poolserve batch submit)")
+    print("Ctrl-C stops it.", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        pass
+    print("shutting down ...")
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="poolserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("validate", help="check a config file and print every problem")
+    p.add_argument("config")
+    p.set_defaults(fn=_cmd_validate)
+
+    p = sub.add_parser("make-tiny-model", help="write the seeded tiny Llama into DIR")
+    p.add_argument("dir")
+    p.set_defaults(fn=_cmd_make_tiny_model)
+
+    p = sub.add_parser("hash-key", help="print the SHA-256 of an API key for the config")
+    p.add_argument("key")
+    p.set_defaults(fn=_cmd_hash_key)
+
+    p = sub.add_parser("kv-budget", help="KV bytes per token and sequences that fit")
+    p.add_argument("--config")
+    p.add_argument("--pool")
+    p.add_argument("--model-dir")
+    p.add_argument("--kv-gb", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--lengths", default="512,1024,2048", help="p50,p90,p99 tokens per sequence")
+    p.set_defaults(fn=_cmd_kv_budget)
+
+    p = sub.add_parser("serve", help="start Ray locally and deploy the app from CONFIG")
+    p.add_argument("config")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.set_defaults(fn=_cmd_serve)
+
+    for register in _extensions():
+        register(sub)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+def _extensions():
+    """Sub-commands that live with their feature (calibrate, batch, k8s)."""
+    out = []
+    for module in ("deployments.calibrate_cli", "deployments.batch_cli", "deployments.k8s"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        out.append(mod.register)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

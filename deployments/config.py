@@ -1,0 +1,283 @@
+"""The whole configuration: one YAML file, loaded once into frozen models, then checked
+against itself and resolved into what the builders need.
+
+Every problem is reported with the key, the value and the fix; `load` collects them all
+before raising, so `poolserve validate` shows a whole list at once. Relative paths
+(model source, profiles) are relative to the config file's directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from autoscale.config import AutoscaleConfig
+from autoscale.profile import Profile, load_profile
+from pools.config import Frozen, ModelConfig, PoolConfig, POOL_NAME
+from pools.kv_budget import GIB, KVBudget, ModelShape
+from pools.types import SafeRange
+from router.config import RouterConfig, TenantConfig
+
+
+class RayConfig(Frozen):
+    """The local Ray started by `poolserve serve` (ignored when `address` names a cluster)."""
+
+    address: str | None = None
+    num_cpus: int = Field(8, ge=1, description="Logical CPUs; more than the cores so every actor schedules.")
+    metrics_export_port: int = Field(8080, ge=1, le=65535)
+    dashboard: bool = False
+
+
+class PoolserveConfig(Frozen):
+    model: ModelConfig
+    router: RouterConfig = RouterConfig()
+    ray: RayConfig = RayConfig()
+    pools: dict[str, PoolConfig] = Field(min_length=1)
+    tenants: tuple[TenantConfig, ...] = Field(min_length=1)
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @field_validator("pools")
+    @classmethod
+    def _names(cls, v: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
+        for name in v:
+            if not POOL_NAME.match(name):
+                raise ValueError(f"pool name {name!r} must be lowercase letters, digits and '-', "
+                                 "starting with a letter (it names a Serve deployment)")
+        return v
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    value: Any
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        value = json.dumps(self.value, default=str)
+        if len(value) > 80:
+            value = value[:77] + "..."
+        return f"{self.key}: {value}: {self.message}. Fix: {self.fix}"
+
+
+class ConfigError(ValueError):
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source, self.problems = source, problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+@dataclass(frozen=True)
+class ResolvedPool:
+    """A pool with its paths resolved, its profile loaded and its range settled."""
+
+    name: str
+    config: PoolConfig
+    safe_range: SafeRange
+    start_seqs: int
+    profile: Profile | None
+    kv_capacity_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    config: PoolserveConfig
+    base_dir: Path
+    model_source: str
+    pools: dict[str, ResolvedPool]
+    warnings: tuple[str, ...] = ()
+
+
+# -- loading ------------------------------------------------------------------------
+
+_FIXES = {
+    "extra_forbidden": "remove it, or check its spelling against docs/configuration.md",
+    "missing": "add it",
+    "greater_than": "raise it",
+    "greater_than_equal": "raise it",
+    "less_than": "lower it",
+    "less_than_equal": "lower it",
+    "literal_error": "use one of the values listed",
+    "string_pattern_mismatch": "match the pattern shown",
+    "too_short": "add at least one entry",
+}
+
+
+def _problems_from(e: ValidationError) -> list[Problem]:
+    out = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "tagged-union")))
+        fix = _FIXES.get(err["type"], "correct the value")
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(Problem(loc or "(top level)", err.get("input"), msg, fix))
+    return out
+
+
+def parse(data: Any, source: str = "config") -> PoolserveConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(source, [Problem("(top level)", data, "the config must be a mapping", "see "
+                                           "deployments/configs/local.yaml for an example")])
+    try:
+        return PoolserveConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, _problems_from(e)) from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), [Problem("(file)", str(path), f"not valid YAML: {e}", "fix the syntax")])
+    except OSError as e:
+        raise ConfigError(str(path), [Problem("(file)", str(path), f"cannot read: {e.strerror}",
+                                              "check the path")])
+
+
+def load(path: str | Path) -> Resolved:
+    """Read, parse, check and resolve a config file; raise ConfigError with every problem."""
+    path = Path(path)
+    config = parse(read_yaml(path), str(path))
+    return resolve(config, path.resolve().parent, str(path))
+
+
+# -- checks across sections -----------------------------------------------------------
+
+def _path(base: Path, p: str) -> Path:
+    q = Path(p)
+    return q if q.is_absolute() else base / q
+
+
+def _model_shape(config: PoolserveConfig, source: Path) -> ModelShape | None:
+    cfg = source / "config.json"
+    if not cfg.is_file():
+        return None
+    return ModelShape.from_hf_config(json.loads(cfg.read_text()), config.model.dtype)
+
+
+def _check_tenants(c: PoolserveConfig) -> list[Problem]:
+    out = []
+    names, hashes = set(), set()
+    for i, t in enumerate(c.tenants):
+        key = f"tenants[{i}]"
+        if t.name in names:
+            out.append(Problem(f"{key}.name", t.name, "duplicate tenant name", "give each tenant its own name"))
+        if t.key_sha256 in hashes:
+            out.append(Problem(f"{key}.key_sha256", t.key_sha256[:12] + "...", "two tenants share one key",
+                               "give each tenant its own key"))
+        names.add(t.name)
+        hashes.add(t.key_sha256)
+        for pool in t.pools:
+            if pool not in c.pools:
+                out.append(Problem(f"{key}.pools", list(t.pools), f"unknown pool {pool!r}",
+                                   f"use pools defined under pools: {sorted(c.pools)}"))
+    return out
+
+
+def _check_pool(c: PoolserveConfig, name: str, p: PoolConfig) -> list[Problem]:
+    key, out = f"pools.{name}", []
+    if p.borrow is not None:
+        if p.borrow.into not in c.pools or p.borrow.into == name:
+            out.append(Problem(f"{key}.borrow.into", p.borrow.into, "must name another pool",
+                               f"use one of {sorted(set(c.pools) - {name})}"))
+    if p.traffic.p99_tokens > c.model.max_model_len:
+        out.append(Problem(f"{key}.traffic.p99_tokens", p.traffic.p99_tokens,
+                           f"above model.max_model_len {c.model.max_model_len}", "lower it or raise max_model_len"))
+    if p.queue.max_queued_tokens is not None and p.queue.max_queued_tokens < c.model.max_model_len:
+        out.append(Problem(f"{key}.queue.max_queued_tokens", p.queue.max_queued_tokens,
+                           f"smaller than one full-length request ({c.model.max_model_len} tokens)",
+                           "raise it to at least model.max_model_len"))
+    if not p.engine.enable_chunked_prefill and p.engine.max_num_batched_tokens < c.model.max_model_len:
+        out.append(Problem(f"{key}.engine.max_num_batched_tokens", p.engine.max_num_batched_tokens,
+                           "below max_model_len with chunked prefill off: long prompts could never run",
+                           "raise it to max_model_len or enable_chunked_prefill: true"))
+    if p.limits.range is not None and p.limits.range[1] > p.engine.max_num_seqs:
+        out.append(Problem(f"{key}.limits.range", list(p.limits.range),
+                           f"top {p.limits.range[1]} is above engine.max_num_seqs {p.engine.max_num_seqs}",
+                           "lower the range top or raise engine.max_num_seqs"))
+    return out
+
+
+def _pool_range(c: PoolserveConfig, name: str, p: PoolConfig, base: Path, kv: KVBudget | None,
+                problems: list[Problem]) -> ResolvedPool | None:
+    key = f"pools.{name}.limits"
+    profile = None
+    if p.limits.profile is not None:
+        path = _path(base, p.limits.profile)
+        try:
+            profile = load_profile(path)
+        except (OSError, ValueError) as e:
+            problems.append(Problem(f"{key}.profile", p.limits.profile, f"cannot load the profile: {e}",
+                                    "run `poolserve calibrate` to write it, or give `range` instead"))
+            return None
+        ladder, (low, high) = profile.ladder, profile.range
+        if high > p.engine.max_num_seqs:
+            problems.append(Problem(f"{key}.profile", p.limits.profile,
+                                    f"its range top {high} is above engine.max_num_seqs {p.engine.max_num_seqs}",
+                                    "recalibrate with this pool's ceilings"))
+            return None
+    else:
+        ladder, (low, high) = p.limits.ladder, p.limits.range
+    start = p.limits.start or low
+    if not low <= start <= high or start not in ladder:
+        problems.append(Problem(f"{key}.start", start, f"not a ladder step inside the safe range [{low}, {high}] "
+                                                      f"(ladder {list(ladder)})", "pick a step inside the range"))
+        return None
+    tokens_per_seq = p.limits.tokens_per_seq or p.traffic.p99_tokens
+    cap = kv.capacity_tokens if kv is not None else high * c.model.max_model_len
+    seq_cap = p.engine.max_num_seqs * c.model.max_model_len
+    safe = SafeRange(tuple(ladder), low, high, tokens_per_seq, max(c.model.max_model_len, min(cap, seq_cap)))
+    if kv is not None:
+        fits = kv.max_sequences(p.traffic.p99_tokens)
+        if fits < high:
+            problems.append(Problem(
+                f"pools.{name}.engine.kv_cache_gb", p.engine.kv_cache_gb,
+                f"the KV cache holds {fits} sequences at the p99 length of {p.traffic.p99_tokens} tokens "
+                f"({kv.shape.bytes_per_token} bytes/token, {kv.capacity_tokens} tokens), fewer than the "
+                f"range top {high}", f"raise kv_cache_gb or keep the range top at {fits} or below"))
+            return None
+    return ResolvedPool(name, p, safe, start, profile, kv.capacity_tokens if kv else None)
+
+
+def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
+    problems = _check_tenants(config)
+    for name, p in config.pools.items():
+        problems += _check_pool(config, name, p)
+    prefixes = [p.route_prefix for p in config.pools.values()]
+    for name, p in config.pools.items():
+        if prefixes.count(p.route_prefix) > 1 or p.route_prefix == "/v1":
+            problems.append(Problem(f"pools.{name}.route_prefix", p.route_prefix, "taken by another route",
+                                    "give each pool its own prefix (not /v1)"))
+    warnings = []
+    source_path = _path(base_dir, config.model.source)
+    model_source = str(source_path) if source_path.exists() else config.model.source
+    shape = _model_shape(config, source_path) if source_path.exists() else None
+    if shape is None:
+        warnings.append(f"model.source {config.model.source!r} has no local config.json: the KV budget check "
+                        "is skipped (it runs where the model directory exists)")
+    pools = {}
+    for name, p in config.pools.items():
+        kv = KVBudget(shape, int(p.engine.kv_cache_gb * GIB), p.engine.block_size or 16) if shape else None
+        rp = _pool_range(config, name, p, base_dir, kv, problems)
+        if rp is not None:
+            pools[name] = rp
+    if config.router.admin_key_sha256 is None:
+        warnings.append("router.admin_key_sha256 is not set: the admin API is disabled")
+    if problems:
+        raise ConfigError(source, problems)
+    return Resolved(config, base_dir, model_source, pools, tuple(warnings))
+
+
+def sha256_hex(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def route_name(prefix: str) -> str:
+    return re.sub(r"^/", "", prefix)

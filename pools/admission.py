@@ -1,0 +1,73 @@
+"""AsyncGate: the asyncio face of the AdmissionGate, one per pool replica.
+
+`acquire` parks the caller on a future until the gate admits or rejects its ticket; a
+caller that is cancelled while waiting (client disconnect) withdraws its ticket, and a
+caller cancelled just after admission gives its slot back. The wait window is driven by
+one loop timer set to the gate's next deadline, never by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pools.gate import AdmissionGate, Changes, Rejection, Ticket
+from pools.types import BatchLimits, PriorityClass, SafeRange
+
+
+class GateRejected(Exception):
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.reason)
+        self.rejection = rejection
+
+
+class AsyncGate:
+    def __init__(self, gate: AdmissionGate) -> None:
+        self.gate = gate
+        self._waiters: dict[int, asyncio.Future[Ticket]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def acquire(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> Ticket:
+        ticket = self.gate.new_ticket(tenant, weight, priority, cost)
+        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = waiter
+        self._apply(self.gate.offer(ticket))
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self._apply(self.gate.cancel(ticket.id))
+            raise
+        finally:
+            self._waiters.pop(ticket.id, None)
+
+    def release(self, ticket: Ticket, used_tokens: int | None = None) -> None:
+        self._apply(self.gate.release(ticket.id, used_tokens))
+
+    def set_limits(self, limits: BatchLimits, allowed: SafeRange | None = None) -> None:
+        self._apply(self.gate.set_limits(limits, allowed))
+
+    def _apply(self, changes: Changes) -> None:
+        for t in changes.admitted:
+            waiter = self._waiters.get(t.id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(t)
+            elif waiter is None or waiter.cancelled():
+                # Its caller is gone: give the slot straight back.
+                self._apply(self.gate.release(t.id))
+        for r in changes.rejected:
+            waiter = self._waiters.get(r.ticket.id)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(GateRejected(r))
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.gate.next_deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline - self.gate._clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self._apply(self.gate.poll())

@@ -1,0 +1,164 @@
+"""Typed, frozen configuration of the model and of each pool (the `model:` and `pools:` keys).
+
+Field-level checks live here; checks across sections (limits against ceilings, the
+KV budget, borrowing targets) live in `deployments.config`, which sees the whole file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+POOL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Fingerprint(Frozen):
+    """The identity of a pool's engine set-up; a calibration is valid only for its own."""
+
+    model: str
+    dtype: str
+    quantization: str
+    max_model_len: int
+    hardware: str
+    vllm_version: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_gb: float
+
+    def differences(self, running: "Fingerprint") -> list[str]:
+        """Human-readable differences, e.g. "hardware: profile 'cpu:...' vs running 'gpu:...'"."""
+        mine, theirs = self.model_dump(), running.model_dump()
+        return [f"{k}: profile {mine[k]!r} vs running {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+class ModelConfig(Frozen):
+    id: str = Field(min_length=1, description="Model id clients send as `model`.")
+    source: str = Field(min_length=1, description="Hugging Face model directory or hub id.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quantization: str | None = None
+    max_model_len: int = Field(ge=16, le=1 << 20)
+
+
+class EngineConfig(Frozen):
+    """vLLM's start-up ceilings. Runtime limits stay at or below them."""
+
+    max_num_seqs: int = Field(ge=1, le=4096)
+    max_num_batched_tokens: int = Field(ge=16)
+    kv_cache_gb: float = Field(gt=0, description="KV cache budget per replica (GiB).")
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    block_size: int | None = Field(None, ge=1, description="KV block size (default: vLLM's for the device).")
+    cpu_threads_bind: str | None = Field(
+        None, description="VLLM_CPU_OMP_THREADS_BIND for a CPU engine, e.g. '0' or '0-3'.")
+
+
+class ReplicaConfig(Frozen):
+    """Ray Serve replica count and its autoscaling. LLM replicas start slowly: scale up
+    after a sustained queue, scale down only after a long quiet spell."""
+
+    min: int = Field(1, ge=0)
+    max: int = Field(1, ge=1)
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Per-replica target for Serve's replica autoscaler "
+                                "(default: the top of the pool's safe range).")
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "ReplicaConfig":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max}); set min <= max")
+        return self
+
+
+class LimitsConfig(Frozen):
+    """Runtime batch limits. With a profile, its measured safe range rules; without one,
+    `range` and `ladder` must be given and the pool is marked uncalibrated."""
+
+    profile: str | None = None
+    start: int | None = Field(None, ge=1)
+    ladder: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    range: tuple[int, int] | None = None
+    tokens_per_seq: int | None = Field(
+        None, ge=1, description="Token budget per active sequence (default: traffic.p99_tokens).")
+
+    @field_validator("ladder")
+    @classmethod
+    def _ladder_sorted(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(x < 1 for x in v) or list(v) != sorted(set(v)):
+            raise ValueError(f"{list(v)} must be distinct positive integers in ascending order")
+        return v
+
+    @model_validator(mode="after")
+    def _profile_or_range(self) -> "LimitsConfig":
+        if self.profile is None and self.range is None:
+            raise ValueError("give either `profile` (a calibrated range) or `range: [low, high]`")
+        if self.range is not None:
+            low, high = self.range
+            if low > high or low not in self.ladder or high not in self.ladder:
+                raise ValueError(f"range {list(self.range)} must be two ladder steps with low <= high; "
+                                 f"ladder is {list(self.ladder)}")
+        return self
+
+
+class SLOConfig(Frozen):
+    ttft_p99_ms: float = Field(gt=0)
+    tpot_p99_ms: float = Field(gt=0)
+
+
+class QueueConfig(Frozen):
+    max_queued: int = Field(ge=1, description="Requests the gate may hold waiting.")
+    max_queued_tokens: int | None = Field(
+        None, ge=1, description="Tokens the gate may hold waiting (default: max_queued x max_model_len).")
+    max_wait_ms: float = Field(0.0, ge=0, description="Wait window; 0 admits at once.")
+    min_batch_tokens: int = Field(0, ge=0, description="Release the window once this many tokens queue.")
+
+
+class BorrowConfig(Frozen):
+    into: str
+    max_share: float = Field(gt=0, le=1, description="Share of the target's limit borrowed work may use.")
+    while_below_utilisation: float = Field(gt=0, le=1)
+
+
+class TrafficSample(Frozen):
+    """Prompt + output tokens per sequence of the traffic this pool is sized for."""
+
+    p50_tokens: int = Field(ge=1)
+    p90_tokens: int = Field(ge=1)
+    p99_tokens: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "TrafficSample":
+        if not self.p50_tokens <= self.p90_tokens <= self.p99_tokens:
+            raise ValueError("percentiles must satisfy p50_tokens <= p90_tokens <= p99_tokens")
+        return self
+
+
+class PoolConfig(Frozen):
+    route_prefix: str
+    default_priority: Literal["interactive", "standard", "batch"] = "standard"
+    replicas: ReplicaConfig = ReplicaConfig()
+    engine: EngineConfig
+    limits: LimitsConfig
+    slo: SLOConfig
+    queue: QueueConfig
+    traffic: TrafficSample
+    borrow: BorrowConfig | None = None
+    stream_batching_ms: float = Field(
+        10.0, ge=0, description="Ray Serve LLM's stream chunk batching interval; adds up to this to TTFT.")
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not re.fullmatch(r"/[a-z][a-z0-9-]*", v):
+            raise ValueError(f"{v!r} must look like '/online': a slash and a lowercase name")
+        return v

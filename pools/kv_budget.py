@@ -1,0 +1,83 @@
+"""KV cache budget: bytes per token and how many sequences fit (pure arithmetic).
+
+    KV bytes = 2 (K and V) x layers x kv_heads x head_dim x cached_tokens x bytes_per_element
+
+vLLM allocates KV in blocks of `block_size` tokens, so a sequence of n tokens holds
+ceil(n / block_size) blocks; capacity is whole blocks. Size a batch from high
+percentiles of prompt + output length, never from the mean: the tail decides OOMs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_element: int
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping, dtype: str = "auto", kv_cache_dtype: str = "auto") -> "ModelShape":
+        """Read a Hugging Face `config.json`; `auto` dtypes follow the checkpoint's."""
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        chosen = kv_cache_dtype if kv_cache_dtype != "auto" else dtype
+        if chosen == "auto":
+            chosen = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+        if chosen not in DTYPE_BYTES:
+            raise ValueError(f"unknown KV dtype {chosen!r}; use one of {sorted(DTYPE_BYTES)}")
+        return cls(
+            layers=config["num_hidden_layers"],
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            bytes_per_element=DTYPE_BYTES[chosen],
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    shape: ModelShape
+    budget_bytes: int
+    block_size: int = 16
+
+    @classmethod
+    def from_gib(cls, shape: ModelShape, gib: float, block_size: int = 16) -> "KVBudget":
+        return cls(shape, int(gib * GIB), block_size)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.budget_bytes // (self.shape.bytes_per_token * self.block_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_blocks * self.block_size
+
+    def blocks_for(self, seq_tokens: int) -> int:
+        return math.ceil(seq_tokens / self.block_size)
+
+    def max_sequences(self, seq_tokens: int) -> int:
+        """How many sequences of `seq_tokens` (prompt + output) fit at once."""
+        return self.capacity_blocks // max(1, self.blocks_for(seq_tokens))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of an empty list")
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

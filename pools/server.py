@@ -1,0 +1,294 @@
+"""PoolServer: a ray.serve.llm LLMServer whose requests pass through an admission gate.
+
+One instance per pool replica. The router calls `generate(PoolCall)` through a Serve
+handle; the reply is a stream:
+
+    Admitted | Rejected        # first: a slot was granted after queueing, or refused
+    <engine items>...          # OpenAI SSE strings (batched in lists) or one response
+    Finished(usage, ttft, e2e) # last: the real usage for quota reconciliation
+
+The slot is held for the whole stream and released on completion, error or
+cancellation (a client disconnect cancels this generator, which closes the engine
+stream, and vLLM aborts the request). The priority class becomes vLLM's request
+`priority` (lower runs first), so the engine's own queue agrees with the gate's.
+
+A background task reports the replica's stats to the autoscale controller every
+`report_interval_s` and applies the limits in the reply; if the controller is away the
+replica keeps its last limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator
+
+from ray import serve
+from ray.serve.llm import LLMServer
+
+from pools.admission import AsyncGate, GateRejected
+from pools.config import Fingerprint
+from pools.engine import StatsBox, hardware_name, pool_engine_cls
+from pools.gate import AdmissionGate, Ceilings, QueuePolicy
+from pools.logs import configure_logging
+from pools.metrics import PoolMetrics
+from pools.types import (Admitted, BatchLimits, EngineStats, Finished, LatencySample, LimitsDirective, PoolCall,
+                         Rejected, ReplicaStats, SafeRange, Usage)
+
+log = logging.getLogger("poolserve.pool")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Everything a pool replica needs besides its LLMConfig, resolved by the builder."""
+
+    name: str
+    start_seqs: int
+    safe_range: SafeRange
+    ceilings: Ceilings
+    queue: QueuePolicy
+    report_interval_s: float
+    latency_window_s: float
+    stream_batching_ms: float
+    fingerprint_base: dict[str, Any]  # model, dtype, quantization, max_model_len, ceilings
+    profile_fingerprint: Fingerprint | None = None  # None: uncalibrated (manual range)
+    warmup_requests: int = 8
+
+
+def _replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (unit tests)
+        return "local"
+
+
+class _StreamTimer:
+    """Timestamps of one streamed response, for TTFT and TPOT at the replica."""
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def token(self) -> None:
+        now = time.monotonic()
+        self.first = self.first or now
+        self.last = now
+
+    def tpot(self, completion_tokens: int) -> float | None:
+        if self.first is None or self.last is None or completion_tokens < 2:
+            return None
+        return (self.last - self.first) / (completion_tokens - 1)
+
+
+def _usage_chunk(item: str) -> Usage | None:
+    """The final `choices: []` chunk that carries usage (requested by the router)."""
+    if '"choices":[]' not in item or '"usage"' not in item:
+        return None
+    payload = json.loads(item.removeprefix("data: ").strip())
+    u = payload.get("usage") or {}
+    return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
+
+
+class PoolServer(LLMServer):
+    async def __init__(self, llm_config, *, settings: PoolSettings, controller: Any = None, engine_cls=None) -> None:
+        configure_logging()
+        self._settings = settings
+        self._controller = controller  # a handle to the autoscale controller; None runs static
+        self._replica = _replica_name()
+        limits = settings.safe_range.limits_for(settings.start_seqs)
+        gate = AdmissionGate(limits, settings.safe_range, settings.ceilings, settings.queue, time.monotonic)
+        self._gate = AsyncGate(gate)
+        self._metrics = PoolMetrics(settings.name, self._replica)
+        self._stale_reason = ""
+        self._reporter: asyncio.Task | None = None
+        await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
+        await self._warm_up()
+        self._stale_reason = self._check_profile()
+        if self._stale_reason:
+            low = settings.safe_range.clamp_to_low()
+            self._gate.set_limits(low.limits_for(low.low), low)
+            log.warning("pool %s: calibration profile is stale (%s); running at the bottom of its range, %d",
+                        settings.name, self._stale_reason, low.low)
+        if controller is not None:
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+
+    # -- requests ------------------------------------------------------------------
+
+    async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
+        arrived = time.monotonic()
+        try:
+            ticket = await self._gate.acquire(call.tenant, call.weight, call.priority, call.cost)
+        except GateRejected as e:
+            r = e.rejection
+            self._metrics.rejected(call.tenant, call.priority, r.reason)
+            what = "a more important request took its place" if r.reason == "evicted" else "its queue is full"
+            yield Rejected(429, r.reason, f"pool {self._settings.name!r} is overloaded: {what}; "
+                                          f"retry after {r.retry_after_s:.0f}s", r.retry_after_s)
+            return
+        admitted = time.monotonic()
+        self._metrics.admitted(call.tenant, call.priority, admitted - arrived)
+        usage: Usage | None = None
+        done = False
+        try:
+            yield Admitted(self._settings.name, self._replica, admitted - arrived)
+            call.body.priority = int(call.priority)
+            timer = _StreamTimer(arrived)
+            async for item in self._run(call, timer):
+                if isinstance(item, Usage):
+                    usage = item
+                else:
+                    yield item
+            tpot = timer.tpot(usage.completion_tokens) if usage else None
+            ttft = None if timer.first is None else timer.first - arrived
+            self._metrics.latency(call.tenant, call.priority, ttft, tpot)
+            done = True
+            yield Finished(usage, ttft, time.monotonic() - arrived)
+        finally:
+            if not done:
+                self._metrics.cancelled(call.tenant, call.priority)
+            self._gate.release(ticket, usage.total_tokens if usage else None)
+
+    async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
+        """The engine's output for one call; streams are timed, usage split off, and batched."""
+        await self._maybe_add_request_id_to_request(call.body)
+        engine_stream = getattr(self.engine, call.kind)(call.body, None)
+        if not getattr(call.body, "stream", False):
+            async for response in engine_stream:
+                u = getattr(response, "usage", None)
+                if u is not None:
+                    yield Usage(u.prompt_tokens, u.completion_tokens or 0)
+                yield response
+            return
+
+        usage_box: list[Usage] = []
+
+        async def timed() -> AsyncGenerator[str, None]:
+            async for item in engine_stream:
+                if isinstance(item, str):
+                    u = _usage_chunk(item)
+                    if u is not None:
+                        usage_box.append(u)
+                        if not call.include_usage:
+                            continue
+                    elif '"delta"' in item or '"text"' in item:
+                        timer.token()
+                yield item
+
+        async for batch in self._batch_output_stream(timed()):
+            yield batch
+        if usage_box:
+            yield usage_box[-1]
+
+    async def _warm_up(self) -> None:
+        """Run a few short requests of growing batch sizes before taking traffic: the first
+        requests after an engine starts compile kernels and can take many seconds."""
+        n = self._settings.warmup_requests
+        if n <= 0:
+            return
+        from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+        started = time.monotonic()
+
+        async def one(i: int) -> None:
+            req = CompletionRequest(prompt="warm up " * (4 + 8 * i), max_tokens=8, ignore_eos=True)
+            async for _ in self.engine.completions(req, None):
+                pass
+
+        size = 1
+        while size <= n:
+            await asyncio.gather(*(one(i) for i in range(size)))
+            size *= 2
+        box: StatsBox | None = getattr(self.engine, "stats_box", None)
+        if box is not None:
+            box.clear_latency()
+        log.info("pool %s: warmed up in %.1fs", self._settings.name, time.monotonic() - started)
+
+    def _get_batch_interval_ms(self, stream: bool = True) -> int:
+        return self._settings.stream_batching_ms if stream else None
+
+    # -- limits and stats ---------------------------------------------------------
+
+    async def set_limits(self, max_active_seqs: int) -> BatchLimits:
+        """Set this replica's limit directly (inside its allowed range); the controller's
+        next directive wins, so operators go through the controller instead."""
+        allowed = self._gate.gate.allowed
+        self._gate.set_limits(allowed.limits_for(max_active_seqs))
+        return self._gate.gate.limits
+
+    async def stats(self) -> ReplicaStats:
+        box: StatsBox | None = getattr(self.engine, "stats_box", None)
+        engine = box.snapshot() if box else None
+        latency = box.latency(self._settings.latency_window_s) if box else None
+        return ReplicaStats(
+            pool=self._settings.name,
+            replica=self._replica,
+            time=time.time(),
+            gate=self._gate.gate.stats(),
+            engine=engine or EngineStats(),
+            latency=latency or LatencySample(),
+            safe_range=self._gate.gate.allowed,
+            profile_stale=bool(self._stale_reason),
+            stale_reason=self._stale_reason,
+            fingerprint=self.fingerprint().model_dump(mode="json") if self._facts() else {},
+        )
+
+    def _facts(self):
+        facts = getattr(self.engine, "facts", None)
+        return facts() if facts and getattr(self.engine, "vllm_config", None) is not None else None
+
+    def fingerprint(self) -> Fingerprint:
+        facts = self._facts()
+        return Fingerprint(**self._settings.fingerprint_base,
+                           hardware=facts.hardware if facts else hardware_name(),
+                           vllm_version=facts.vllm_version if facts else "unknown")
+
+    async def describe(self) -> dict[str, Any]:
+        """The engine's facts (KV capacity, CUDA-graph sizes) and this replica's fingerprint."""
+        facts = self._facts()
+        return {
+            "pool": self._settings.name,
+            "replica": self._replica,
+            "fingerprint": self.fingerprint().model_dump(mode="json"),
+            "kv_capacity_tokens": facts.kv_capacity_tokens if facts else None,
+            "block_size": facts.block_size if facts else None,
+            "cudagraph_capture_sizes": list(facts.cudagraph_capture_sizes) if facts else [],
+            "profile_stale": self._stale_reason,
+        }
+
+    def _check_profile(self) -> str:
+        expected = self._settings.profile_fingerprint
+        if expected is None:
+            return ""
+        diffs = expected.differences(self.fingerprint())
+        return "; ".join(diffs)
+
+    def _apply(self, directive: LimitsDirective) -> None:
+        if directive.limits != self._gate.gate.limits or directive.allowed != self._gate.gate.allowed:
+            log.info("pool %s replica %s: limits -> %s (%s)", self._settings.name, self._replica,
+                     directive.limits, directive.reason or "controller")
+        self._gate.set_limits(directive.limits, directive.allowed)
+
+    async def _report_loop(self) -> None:
+        s, controller = self._settings, self._controller
+        unreachable = False
+        while True:
+            stats = await self.stats()
+            self._metrics.state(stats.gate, stats.engine, stats.safe_range, stats.profile_stale)
+            try:
+                directive = await asyncio.wait_for(controller.report.remote(stats), timeout=max(2.0, s.report_interval_s * 2))
+                self._apply(directive)
+                if unreachable:
+                    log.info("pool %s: controller reachable again", s.name)
+                unreachable = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # controller down or restarting: keep the last limits
+                if not unreachable:
+                    log.warning("pool %s: controller unreachable (%s); keeping limits %s",
+                                s.name, type(e).__name__, self._gate.gate.limits)
+                unreachable = True
+            await asyncio.sleep(s.report_interval_s)

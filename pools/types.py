@@ -1,0 +1,212 @@
+"""Typed objects that cross the pool boundary: limits, priorities, calls and replies.
+
+The router and the autoscaler import these; nothing here imports Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class PriorityClass(enum.IntEnum):
+    """Strict admission classes; a lower value is admitted first (as vLLM's priority)."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+    BORROWED = 3
+
+    @classmethod
+    def parse(cls, name: str) -> "PriorityClass":
+        try:
+            return cls[name.strip().upper()]
+        except KeyError:
+            names = ", ".join(c.name.lower() for c in cls if c is not cls.BORROWED)
+            raise ValueError(f"unknown priority {name!r}; use one of {names}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """A replica's runtime batch budget: at most this many active sequences and tokens.
+
+    A request's tokens are its prompt tokens plus its `max_tokens`: the KV it may grow to.
+    """
+
+    max_active_seqs: int
+    max_inflight_tokens: int
+
+    def __post_init__(self) -> None:
+        assert self.max_active_seqs >= 1 and self.max_inflight_tokens >= 1, self
+
+
+@dataclass(frozen=True)
+class SafeRange:
+    """The calibrated range of `max_active_seqs` and the ladder the autoscaler steps on.
+
+    `tokens_per_seq` turns a sequence limit into a token budget; `max_inflight_tokens`
+    caps it at what the KV cache holds.
+    """
+
+    ladder: tuple[int, ...]
+    low: int
+    high: int
+    tokens_per_seq: int
+    max_inflight_tokens: int
+
+    def __post_init__(self) -> None:
+        assert self.ladder == tuple(sorted(set(self.ladder))), self.ladder
+        assert self.low in self.ladder and self.high in self.ladder and self.low <= self.high, self
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The ladder points inside the range, ascending."""
+        return tuple(s for s in self.ladder if self.low <= s <= self.high)
+
+    def limits_for(self, seqs: int) -> BatchLimits:
+        return BatchLimits(seqs, min(seqs * self.tokens_per_seq, self.max_inflight_tokens))
+
+    def contains(self, limits: BatchLimits) -> bool:
+        return (self.low <= limits.max_active_seqs <= self.high
+                and limits.max_inflight_tokens <= self.max_inflight_tokens)
+
+    def describe(self) -> str:
+        return (f"max_active_seqs in [{self.low}, {self.high}] and "
+                f"max_inflight_tokens <= {self.max_inflight_tokens}")
+
+    def clamp_to_low(self) -> "SafeRange":
+        """The same range pinned at its bottom step (a stale profile may not go higher)."""
+        return SafeRange(self.ladder, self.low, self.low, self.tokens_per_seq, self.max_inflight_tokens)
+
+
+CallKind = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class PoolCall:
+    """One request as the router hands it to a pool replica.
+
+    `body` is the validated OpenAI request (ray.serve.llm's ChatCompletionRequest or
+    CompletionRequest). `prompt_tokens` was counted by the router with the model's
+    tokenizer; `max_tokens` is the request's own or the rest of the context.
+    """
+
+    kind: CallKind
+    body: Any
+    tenant: str
+    weight: float
+    priority: PriorityClass
+    prompt_tokens: int
+    max_tokens: int
+    borrowed: bool = False
+    include_usage: bool = False
+
+    @property
+    def cost(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """First item of every pool stream that got a slot."""
+
+    pool: str
+    replica: str
+    queued_s: float
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The only item of a pool stream that got no slot (status 429 or 503)."""
+
+    status: int
+    reason: str
+    message: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Last item of a pool stream: the real usage (for quota reconciliation) and timings."""
+
+    usage: Usage | None
+    ttft_s: float | None
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What vLLM's scheduler last reported for this replica."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class GateStats:
+    active: int
+    inflight_tokens: int
+    queued_by_class: dict[str, int]
+    queued_tokens: int
+    oldest_wait_s: float
+    limits: BatchLimits
+    admitted: int
+    rejected: int
+    cancelled: int
+    evicted: int
+    completed: int
+    peak_active: int = 0  # most requests active at once since the limits last changed
+
+    @property
+    def queued(self) -> int:
+        return sum(self.queued_by_class.values())
+
+
+@dataclass(frozen=True)
+class LatencySample:
+    """Recent per-request latencies measured at the replica (seconds)."""
+
+    ttft_s: tuple[float, ...] = ()
+    tpot_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """A pool replica's report to the controller, every tick."""
+
+    pool: str
+    replica: str
+    time: float
+    gate: GateStats
+    engine: EngineStats
+    latency: LatencySample
+    safe_range: SafeRange
+    profile_stale: bool = False
+    stale_reason: str = ""
+    fingerprint: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LimitsDirective:
+    """The controller's reply to a report: the limits a replica should apply now."""
+
+    limits: BatchLimits
+    allowed: SafeRange
+    reason: str = ""

@@ -1,0 +1,621 @@
+"""The router: the HTTP ingress in front of the pools (a plain class; the builder makes it
+a Serve ingress deployment).
+
+The life of one request (`_serve`):
+  1. body size, API key -> tenant, path -> pool (403 / 404 before reading the body);
+  2. JSON -> the OpenAI request model (vLLM's, as ray.serve.llm uses), field checks;
+  3. prompt tokens counted with the model's tokenizer; cost = prompt + max_tokens;
+  4. priority: the tenant's class or the requested one, clamped to its ceiling;
+  5. quota charged from this replica's lease (429 + Retry-After when exhausted);
+  6. pool chosen (borrowing while the target is idle), then `generate` on that pool;
+     the pool's first item says whether its gate admitted (else 429 / 503);
+  7. the response relayed, streamed or whole; when it ends the real usage reconciles
+     the quota and the in-flight counts drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pools.logs import configure_logging
+from pools.metrics import RouterMetrics
+from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected
+from router.config import RouterConfig, TenantConfig
+from router.errors import ApiError, retry_after_header, sse_error
+from router.leases import QuotaClient, QuotaExceeded
+from router.policy import BorrowRule, PolicyError, PoolLoad, borrow_decision, choose_pool, resolve_priority
+from router.quota import Charge, Quota
+from router.tokens import PromptCounter
+
+log = logging.getLogger("poolserve.router")
+
+# Request fields that belong to the operator, not to a tenant: rejected with a 400.
+RESERVED_FIELDS = {
+    "priority": "set the class with the x-poolserve-priority header instead",
+    "request_id": "the router assigns request ids",
+    "kv_transfer_params": "internal to disaggregated serving",
+    "ec_transfer_params": "internal to disaggregated serving",
+    "chat_template": "the model's own chat template is used",
+    "vllm_xargs": "engine extension arguments are not accepted from tenants",
+    "media_io_kwargs": "text models only",
+    "mm_processor_kwargs": "text models only",
+}
+MAX_N = 16
+
+
+@dataclass(frozen=True)
+class PoolRoute:
+    name: str
+    prefix: str  # the path segment, e.g. "online" for /online/v1/...
+    start_capacity: int
+    default_priority: PriorityClass
+    borrow: BorrowRule | None = None
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_id: str
+    model_source: str
+    max_model_len: int
+    router: RouterConfig
+    tenants: tuple[TenantConfig, ...]
+    pools: tuple[PoolRoute, ...]
+
+
+@dataclass
+class _Flight:
+    """One request on its way: settles quota and in-flight counts exactly once."""
+
+    router: "Router"
+    tenant: TenantConfig
+    pool: str
+    borrowed: bool
+    charge: Charge
+    started: float
+    usage_tokens: int | None = None
+    status: int = 200
+    closed: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.router._inflight_done(self.pool, self.borrowed)
+        self.router._quota.finish(self.charge, self.usage_tokens)
+        m = self.router._metrics
+        m.request(self.pool, self.tenant.name, self.status)
+        if self.usage_tokens is not None:
+            m.tokens(self.tenant.name, self.pool, self.prompt_tokens, self.completion_tokens)
+        log.info("tenant=%s pool=%s borrowed=%s status=%d prompt_tokens=%d completion_tokens=%d ms=%.0f",
+                 self.tenant.name, self.pool, self.borrowed, self.status, self.prompt_tokens,
+                 self.completion_tokens, (time.monotonic() - self.started) * 1e3)
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def _without_done(text: str) -> str:
+    return text.replace(DONE, "")
+
+
+def _chunk_text(item: Any) -> str:
+    if isinstance(item, list):
+        return "".join(x if isinstance(x, str) else f"data: {x.model_dump_json()}\n\n" for x in item)
+    return item if isinstance(item, str) else f"data: {item.model_dump_json()}\n\n"
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, pools: dict[str, Any], controller: Any, ledger: Any,
+                 counter: PromptCounter | None = None) -> None:
+        configure_logging()
+        self._s = settings
+        self._pools = {name: h.options(stream=True) for name, h in pools.items()}
+        self._plain_pools = pools
+        self._controller = controller
+        self._routes = {p.name: p for p in settings.pools}
+        self._by_prefix = {p.prefix: p.name for p in settings.pools}
+        self._tenants = settings.tenants
+        quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
+        self._quota = QuotaClient(ledger, quotas, settings.router.lease_fraction, settings.router.lease_ttl_s)
+        self._counter = counter or PromptCounter(settings.model_source)
+        self._metrics = RouterMetrics()
+        self._views: dict[str, Any] = {}
+        self._own = {p: 0 for p in self._routes}
+        self._borrowed = {p: 0 for p in self._routes}
+        self._refresher: asyncio.Task | None = None
+        self._models: dict[str, type] = {}
+
+    # -- endpoints (mapped to paths in router.ingress) --------------------------
+
+    async def chat(self, request: Request, prefix: str) -> Response:
+        return await self._serve(request, "chat", prefix)
+
+    async def completions(self, request: Request, prefix: str) -> Response:
+        return await self._serve(request, "completions", prefix)
+
+    async def chat_default(self, request: Request) -> Response:
+        return await self._serve(request, "chat", None)
+
+    async def completions_default(self, request: Request) -> Response:
+        return await self._serve(request, "completions", None)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            tenant = self._auth(request)
+        except ApiError as e:
+            return e.response()
+        data = [{"id": self._s.model_id, "object": "model", "owned_by": "poolserve",
+                 "max_model_len": self._s.max_model_len, "pools": list(tenant.pools)}]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def pool_models(self, request: Request, prefix: str) -> Response:
+        try:
+            tenant = self._auth(request)
+            self._pool_for(prefix, tenant)
+        except ApiError as e:
+            return e.response()
+        return await self.models(request)
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "pools": {n: bool(getattr(v, "fresh", False))
+                                                       for n, v in self._views.items()}})
+
+    async def usage(self, request: Request) -> Response:
+        """A tenant's own quota figures; a key never sees another tenant's."""
+        try:
+            tenant = self._auth(request)
+            usage = await self._quota.usage(tenant.name)
+        except ApiError as e:
+            return e.response()
+        q = tenant.quota
+        return JSONResponse({"tenant": tenant.name, "quota": q.model_dump(), **_finite(usage),
+                             "inflight": {p: self._own.get(p, 0) for p in tenant.pools}})
+
+    # -- admin endpoints ------------------------------------------------------------
+
+    async def admin_pools(self, request: Request) -> Response:
+        return await self._admin(request, lambda: self._controller.status.remote())
+
+    async def admin_decisions(self, request: Request, limit: int = 100) -> Response:
+        async def run():
+            return [d.__dict__ for d in await self._controller.decisions.remote(limit)]
+        return await self._admin(request, run)
+
+    async def admin_describe(self, request: Request, pool: str) -> Response:
+        return await self._admin(request, lambda: self._plain_pools[self._known(pool)].describe.remote())
+
+    async def admin_pin(self, request: Request, pool: str) -> Response:
+        async def run():
+            body = await self._json(request)
+            seqs = body.get("max_active_seqs")
+            if not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1:
+                raise ApiError(400, "invalid_value", "max_active_seqs must be a positive integer",
+                               "max_active_seqs")
+            try:
+                d = await self._controller.pin.remote(self._known(pool), seqs, bool(body.get("calibrating")))
+            except ValueError as e:
+                raise ApiError(400, "outside_safe_range", str(e), "max_active_seqs")
+            return {"pool": pool, "pinned": d.limits.max_active_seqs,
+                    "max_inflight_tokens": d.limits.max_inflight_tokens,
+                    "allowed": [d.allowed.low, d.allowed.high]}
+        return await self._admin(request, run)
+
+    async def admin_unpin(self, request: Request, pool: str) -> Response:
+        async def run():
+            await self._controller.unpin.remote(self._known(pool))
+            return {"pool": pool, "pinned": None}
+        return await self._admin(request, run)
+
+    async def admin_slo(self, request: Request, pool: str) -> Response:
+        async def run():
+            body = await self._json(request)
+            values = []
+            for key in ("ttft_p99_ms", "tpot_p99_ms"):
+                v = body.get(key)
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                    raise ApiError(400, "invalid_value", f"{key} must be a positive number of milliseconds", key)
+                values.append(float(v))
+            await self._controller.set_slo.remote(self._known(pool), *values)
+            return {"pool": pool, "ttft_p99_ms": values[0], "tpot_p99_ms": values[1]}
+        return await self._admin(request, run)
+
+    # -- the top loop ----------------------------------------------------------------
+
+    async def _serve(self, request: Request, kind: str, prefix: str | None) -> Response:
+        self._ensure_background()
+        try:
+            tenant = self._auth(request)
+            pool = self._pool_for(prefix, tenant)
+            body, client_usage = await self._parse(request, kind)
+            prompt_tokens, max_tokens = self._measure(kind, body)
+            priority = self._priority(request, tenant, pool)
+            charge = await self._charge(tenant, prompt_tokens + max_tokens * (getattr(body, "n", 1) or 1))
+        except ApiError as e:
+            self._metrics.request(self._by_prefix.get(prefix or "", prefix or "-"), "-", e.status)
+            return e.response()
+        if self._s.router.log_prompts:
+            log.info("tenant=%s prompt=%s", tenant.name, json.dumps(_prompt_of(body))[:4000])
+        call = PoolCall(kind, body, tenant.name, tenant.weight, priority, prompt_tokens, max_tokens,
+                        include_usage=client_usage)
+        return await self._dispatch(tenant, pool, call, charge)
+
+    async def _dispatch(self, tenant: TenantConfig, pool: str, call: PoolCall, charge: Charge) -> Response:
+        target, borrowed = self._choose(pool, call)
+        flight = _Flight(self, tenant, target, borrowed, charge, time.monotonic(), prompt_tokens=call.prompt_tokens)
+        self._inflight_start(target, borrowed)
+        gen = None
+        try:
+            gen = self._start(target, call, borrowed)
+            admitted = await gen.__anext__()
+            if isinstance(admitted, Rejected) and borrowed:  # the lender is busy again: go home
+                self._inflight_done(target, True)
+                flight.pool, flight.borrowed = pool, False
+                self._inflight_start(pool, False)
+                gen = self._start(pool, call, False)
+                admitted = await gen.__anext__()
+            if isinstance(admitted, Rejected):
+                flight.usage_tokens = 0  # it never ran: refund the whole charge
+                raise ApiError(admitted.status, admitted.reason, admitted.message, retry_after_s=admitted.retry_after_s)
+            if flight.borrowed:
+                self._metrics.borrowed(pool, target, tenant.name)
+            first = await gen.__anext__()
+            self._raise_engine_error(first, flight)
+        except ApiError as e:
+            flight.status = e.status
+            flight.close()
+            return e.response()
+        except asyncio.CancelledError:  # the client left while the request waited
+            if gen is not None:
+                gen.cancel()
+            flight.status = 499
+            flight.close()
+            raise
+        except Exception as e:
+            flight.status = 503
+            flight.close()
+            log.warning("pool %s failed before responding: %r", flight.pool, e)
+            return ApiError(503, "pool_unavailable", f"pool {flight.pool!r} is unavailable; retry shortly",
+                            retry_after_s=5).response()
+        headers = self._headers(flight, call, admitted)
+        if getattr(call.body, "stream", False):
+            return StreamingResponse(self._relay(gen, first, flight), media_type="text/event-stream", headers=headers)
+        return await self._whole(gen, first, flight, headers)
+
+    # -- steps -------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> TenantConfig:
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer ") or not header[7:].strip():
+            raise ApiError(401, "missing_api_key", "no API key: send 'Authorization: Bearer <key>'")
+        digest = _sha256(header[7:].strip())
+        found = None
+        for t in self._tenants:  # compare with every tenant, in constant time each
+            if hmac.compare_digest(digest, t.key_sha256):
+                found = t
+        if found is None:
+            raise ApiError(401, "invalid_api_key", "the API key is not valid")
+        return found
+
+    def _pool_for(self, prefix: str | None, tenant: TenantConfig) -> str:
+        if prefix is not None and prefix not in self._by_prefix:
+            known = ", ".join(f"/{p}" for p in self._by_prefix)
+            raise ApiError(404, "pool_not_found", f"no pool at /{prefix}; pools are at {known}")
+        name = self._by_prefix[prefix] if prefix is not None else None
+        try:
+            return choose_pool(name, tenant.pools, tenant.home_pool, tuple(self._routes))
+        except PolicyError as e:
+            raise ApiError(e.status, e.code, e.message, e.param)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._s.router.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"request body is {declared} bytes; the limit is {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _json(self, request: Request) -> dict:
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {e}")
+        if not isinstance(data, dict):
+            raise ApiError(400, "invalid_json", "the request body must be a JSON object")
+        return data
+
+    async def _parse(self, request: Request, kind: str):
+        data = await self._json(request)
+        for key, why in RESERVED_FIELDS.items():
+            if key in data:
+                raise ApiError(400, "reserved_field", f"field {key!r} is not accepted: {why}", key)
+        model = data.get("model")
+        if model is not None and model != self._s.model_id:
+            raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
+                                                   f"{self._s.model_id!r}", "model")
+        if kind == "chat" and "messages" not in data:
+            raise ApiError(400, "missing_field", "field 'messages' is required: a list of "
+                                                 "{role, content} messages", "messages")
+        if kind == "completions" and data.get("prompt") is None:
+            raise ApiError(400, "missing_field", "field 'prompt' is required", "prompt")
+        client_usage = False
+        if data.get("stream"):  # the pool always gets usage; the client only if it asked
+            opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
+            client_usage = bool(opts.get("include_usage"))
+            data["stream_options"] = {**opts, "include_usage": True}
+        return self._validate(kind, data), client_usage
+
+    def _validate(self, kind: str, data: dict):
+        from pydantic import ValidationError
+
+        model_cls = self._request_model(kind)
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, "invalid_request", f"invalid request: {e}")
+        if kind == "chat":
+            from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
+
+            try:
+                body = _sanitize_chat_completion_request(body)
+            except ValueError as e:
+                raise ApiError(400, "invalid_request", str(e), "messages")
+        return body
+
+    def _request_model(self, kind: str):
+        if kind not in self._models:
+            from ray.llm._internal.serve.core.configs import openai_api_models as m
+
+            self._models[kind] = m.ChatCompletionRequest if kind == "chat" else m.CompletionRequest
+        return self._models[kind]
+
+    def _measure(self, kind: str, body) -> tuple[int, int]:
+        """(prompt tokens, max_tokens) checked against max_model_len."""
+        limit = self._s.max_model_len
+        n = getattr(body, "n", 1) or 1
+        if n < 1 or n > MAX_N:
+            raise ApiError(400, "invalid_value", f"n is {n}; it must be between 1 and {MAX_N}", "n")
+        if kind == "chat":
+            prompt = self._counter.chat([dict(m) for m in body.messages],
+                                        add_generation_prompt=getattr(body, "add_generation_prompt", True))
+            asked, param = (body.max_completion_tokens, "max_completion_tokens") \
+                if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
+        else:
+            p = body.prompt
+            if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+                if len(p) != 1:
+                    raise ApiError(400, "invalid_value", f"prompt holds {len(p)} prompts; send one prompt "
+                                                         "per request", "prompt")
+                p = p[0]
+            prompt = len(p) if isinstance(p, list) else self._counter.text(p)
+            asked, param = body.max_tokens, "max_tokens"
+        if prompt >= limit:
+            raise ApiError(400, "context_length_exceeded", f"the prompt is {prompt} tokens; max_model_len is "
+                                                           f"{limit}: shorten the prompt", "messages"
+                           if kind == "chat" else "prompt")
+        if asked is None:
+            return prompt, limit - prompt
+        if asked < 1:
+            raise ApiError(400, "invalid_value", f"{param} is {asked}; it must be at least 1", param)
+        if prompt + asked > limit:
+            raise ApiError(400, "context_length_exceeded",
+                           f"{param} is {asked} and the prompt is {prompt} tokens: together above max_model_len "
+                           f"{limit}; ask for at most {limit - prompt}", param)
+        return prompt, asked
+
+    def _priority(self, request: Request, tenant: TenantConfig, pool: str) -> PriorityClass:
+        default = tenant.default_class(self._routes[pool].default_priority)
+        try:
+            return resolve_priority(default, tenant.ceiling(default), request.headers.get("x-poolserve-priority"))
+        except PolicyError as e:
+            raise ApiError(e.status, e.code, e.message, e.param)
+
+    async def _charge(self, tenant: TenantConfig, tokens: int) -> Charge:
+        try:
+            charge = await self._quota.charge(tenant.name, tokens)
+        except QuotaExceeded as e:
+            d = e.denied
+            self._metrics.quota_rejected(tenant.name, d.limit)
+            self._metrics.remaining(tenant.name, d.remaining_requests, d.remaining_tokens)
+            if d.limit == "too_large":
+                raise ApiError(429, "request_too_large_for_quota",
+                               f"this request needs {tokens} tokens, more than tenant {tenant.name!r}'s "
+                               f"tokens_per_min; lower max_tokens", "max_tokens")
+            raise ApiError(429, f"{d.limit}_quota_exceeded",
+                           f"tenant {tenant.name!r} exceeded its {d.limit} quota; retry after "
+                           f"{retry_after_header(d.retry_after_s)}s", retry_after_s=d.retry_after_s,
+                           headers=_ratelimit_headers(d.remaining_requests, d.remaining_tokens))
+        return charge
+
+    def _choose(self, pool: str, call: PoolCall) -> tuple[str, bool]:
+        rule = self._routes[pool].borrow
+        if rule is None or call.priority == PriorityClass.INTERACTIVE:
+            return pool, False
+        ok, _why = borrow_decision(self._load(pool), self._load(rule.into), rule)
+        return (rule.into, True) if ok else (pool, False)
+
+    def _load(self, pool: str) -> PoolLoad:
+        view = self._views.get(pool)
+        if view is None or not view.fresh:
+            return PoolLoad(self._routes[pool].start_capacity, self._own[pool], self._borrowed[pool])
+        return PoolLoad(view.capacity, self._own[pool], self._borrowed[pool], view.active + view.queued, view.queued)
+
+    def _start(self, pool: str, call: PoolCall, borrowed: bool):
+        if borrowed:
+            call = dataclasses.replace(call, priority=PriorityClass.BORROWED, borrowed=True)
+        return self._pools[pool].generate.remote(call)
+
+    def _raise_engine_error(self, first: Any, flight: _Flight) -> None:
+        err = getattr(first, "error", None) if not isinstance(first, (list, str)) else None
+        if err is not None and hasattr(err, "message"):
+            status = int(getattr(err, "code", 400) or 400)
+            status = status if 400 <= status < 600 else 400
+            flight.usage_tokens = 0
+            raise ApiError(status, str(getattr(err, "type", "invalid_request")), err.message)
+
+    def _headers(self, flight: _Flight, call: PoolCall, admitted: Admitted) -> dict[str, str]:
+        rem_req, rem_tok = self._quota.remaining(flight.tenant.name)
+        self._metrics.remaining(flight.tenant.name, rem_req, rem_tok)
+        return {
+            "x-poolserve-pool": flight.pool,
+            "x-poolserve-replica": admitted.replica,
+            "x-poolserve-priority": (PriorityClass.BORROWED if flight.borrowed else call.priority).label,
+            "x-poolserve-borrowed": str(flight.borrowed).lower(),
+            "x-poolserve-queued-ms": f"{admitted.queued_s * 1e3:.0f}",
+            **_ratelimit_headers(rem_req, rem_tok),
+        }
+
+    async def _whole(self, gen, first: Any, flight: _Flight, headers: dict[str, str]) -> Response:
+        try:
+            async for item in gen:
+                if isinstance(item, Finished):
+                    self._settle_usage(flight, item)
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        finally:
+            flight.close()
+        return JSONResponse(first.model_dump(), headers=headers)
+
+    async def _relay(self, gen, first: Any, flight: _Flight) -> AsyncGenerator[str, None]:
+        """Relay the pool's SSE chunks. `[DONE]` is held back until the pool's `Finished`
+        arrives, so a client that hangs up at `[DONE]` cannot cut off the usage."""
+        finished = False
+        try:
+            for item in [first]:
+                if text := _without_done(_chunk_text(item)):
+                    yield text
+            async for item in gen:
+                if isinstance(item, Finished):
+                    self._settle_usage(flight, item)
+                elif text := _without_done(_chunk_text(item)):
+                    yield text
+            finished = True
+            yield DONE
+        except Exception as e:  # the pool failed mid-stream: end the stream with an error event
+            log.warning("pool %s failed mid-stream: %r", flight.pool, e)
+            flight.status = 503
+            finished = True
+            yield sse_error(503, "pool_failed", f"pool {flight.pool!r} failed while streaming; "
+                                                "the response is incomplete: retry the request")
+            yield DONE
+        finally:
+            if not finished:
+                gen.cancel()
+                flight.status = 499  # client closed the connection
+            flight.close()
+
+    def _settle_usage(self, flight: _Flight, fin: Finished) -> None:
+        if fin.usage is not None:
+            flight.usage_tokens = fin.usage.total_tokens
+            flight.prompt_tokens, flight.completion_tokens = fin.usage.prompt_tokens, fin.usage.completion_tokens
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _inflight_start(self, pool: str, borrowed: bool) -> None:
+        (self._borrowed if borrowed else self._own)[pool] += 1
+
+    def _inflight_done(self, pool: str, borrowed: bool) -> None:
+        (self._borrowed if borrowed else self._own)[pool] -= 1
+
+    def _ensure_background(self) -> None:
+        if self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_views())
+
+    async def _refresh_views(self) -> None:
+        """Pool capacity and queues from the controller; the last view stays if it is away."""
+        while True:
+            try:
+                self._views = await asyncio.wait_for(self._controller.views.remote(), timeout=5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.debug("controller views unavailable: %r", e)
+            await asyncio.sleep(self._s.router.pool_view_interval_s)
+
+    def _known(self, pool: str) -> str:
+        if pool not in self._routes:
+            raise ApiError(404, "pool_not_found", f"unknown pool {pool!r}; pools are {', '.join(self._routes)}")
+        return pool
+
+    async def _admin(self, request: Request, action) -> Response:
+        try:
+            expected = self._s.router.admin_key_sha256
+            if expected is None:
+                raise ApiError(403, "admin_disabled", "the admin API is off: set router.admin_key_sha256")
+            header = request.headers.get("authorization", "")
+            if not header.lower().startswith("bearer ") or not hmac.compare_digest(_sha256(header[7:].strip()), expected):
+                raise ApiError(401, "invalid_admin_key", "admin endpoints need 'Authorization: Bearer <admin key>'")
+            result = await action()
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(_jsonable(result))
+
+
+def _prompt_of(body: Any) -> Any:
+    return getattr(body, "messages", None) or getattr(body, "prompt", None)
+
+
+def _ratelimit_headers(requests: float, tokens: float) -> dict[str, str]:
+    out = {}
+    if requests != float("inf"):
+        out["x-ratelimit-remaining-requests"] = str(max(0, int(requests)))
+    if tokens != float("inf"):
+        out["x-ratelimit-remaining-tokens"] = str(max(0, int(tokens)))
+    return out
+
+
+def _finite(d: dict) -> dict:
+    return {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in d.items()}
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "__dataclass_fields__"):
+        return _jsonable(x.__dict__)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and x == float("inf"):
+        return None
+    return x
+
+
+def _validation_message(e) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    more = len(e.errors()) - 5
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _first_param(e) -> str | None:
+    errs = e.errors()
+    if not errs or not errs[0].get("loc"):
+        return None
+    return str(errs[0]["loc"][0])

@@ -1,0 +1,85 @@
+"""Typed configuration of tenants and of the router (the `tenants:` and `router:` keys)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pools.config import Frozen
+from pools.types import PriorityClass
+
+PriorityName = Literal["interactive", "standard", "batch"]
+
+
+class QuotaConfig(Frozen):
+    """Per-tenant limits, enforced before work starts. `None` means unlimited."""
+
+    requests_per_min: int | None = Field(None, ge=1)
+    tokens_per_min: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+
+
+class TenantConfig(Frozen):
+    name: str
+    key_sha256: str = Field(description="SHA-256 (hex) of the tenant's API key; the key itself is never stored.")
+    pools: tuple[str, ...] = Field(min_length=1)
+    default_pool: str | None = None
+    priority: PriorityName | None = Field(None, description="Default class (default: the pool's).")
+    max_priority: PriorityName | None = Field(
+        None, description="Most important class a request may ask for (default: its default class).")
+    weight: float = Field(1.0, gt=0, le=1000)
+    quota: QuotaConfig = QuotaConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", v):
+            raise ValueError(f"{v!r} must be lowercase letters, digits, '-' or '_'")
+        return v
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("must be 64 lowercase hex digits: the output of "
+                             "`printf %s KEY | sha256sum` (or `poolserve hash-key KEY`)")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "TenantConfig":
+        if self.default_pool is not None and self.default_pool not in self.pools:
+            raise ValueError(f"default_pool {self.default_pool!r} is not in pools {list(self.pools)}; "
+                             "add it to pools or pick one of them")
+        if self.priority and self.max_priority and \
+                PriorityClass.parse(self.max_priority) > PriorityClass.parse(self.priority):
+            raise ValueError(f"max_priority {self.max_priority!r} is less important than priority "
+                             f"{self.priority!r}; the ceiling must be at least the default class")
+        return self
+
+    @property
+    def home_pool(self) -> str:
+        return self.default_pool or self.pools[0]
+
+    def default_class(self, pool_default: PriorityClass) -> PriorityClass:
+        return PriorityClass.parse(self.priority) if self.priority else pool_default
+
+    def ceiling(self, default: PriorityClass) -> PriorityClass:
+        """The most important class this tenant may ask for (never less than its default)."""
+        return min(PriorityClass.parse(self.max_priority), default) if self.max_priority else default
+
+
+class RouterConfig(Frozen):
+    host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 only behind a trusted network.")
+    port: int = Field(8000, ge=1, le=65535)
+    replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(
+        4096, ge=1, description="Per router replica; large so that Serve never queues in front of it.")
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    request_timeout_s: float = Field(900.0, gt=0)
+    admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    log_prompts: bool = False
+    lease_fraction: float = Field(0.1, gt=0, le=1, description="Share of a quota one lease may take.")
+    lease_ttl_s: float = Field(5.0, gt=0)
+    pool_view_interval_s: float = Field(1.0, gt=0)

@@ -1,0 +1,118 @@
+"""The router's HTTP surface: paths, error handlers and the OpenAPI document.
+
+`make_app()` builds the FastAPI app and `route_class(app, Router)` maps the Router's
+methods onto its paths; the builder then hands both to `serve.ingress`. The OpenAPI
+document describes the request bodies with the same models that validate them
+(vLLM's, as ray.serve.llm uses), minus the fields tenants may not set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from router.app import RESERVED_FIELDS, Router
+from router.errors import ApiError
+
+log = logging.getLogger("poolserve.router")
+
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("post", "/v1/chat/completions", "chat_default"),
+    ("post", "/v1/completions", "completions_default"),
+    ("get", "/v1/models", "models"),
+    ("get", "/v1/usage", "usage"),
+    ("get", "/healthz", "healthz"),
+    ("post", "/{prefix}/v1/chat/completions", "chat"),
+    ("post", "/{prefix}/v1/completions", "completions"),
+    ("get", "/{prefix}/v1/models", "pool_models"),
+    ("get", "/admin/pools", "admin_pools"),
+    ("get", "/admin/decisions", "admin_decisions"),
+    ("get", "/admin/pools/{pool}/describe", "admin_describe"),
+    ("post", "/admin/pools/{pool}/limits", "admin_pin"),
+    ("delete", "/admin/pools/{pool}/limits", "admin_unpin"),
+    ("put", "/admin/pools/{pool}/slo", "admin_slo"),
+)
+BODIES = {"chat": "ChatCompletionRequest", "completions": "CompletionRequest"}
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}},
+}
+
+
+def make_app(title: str = "poolserve") -> FastAPI:
+    app = FastAPI(title=title, description="OpenAI-compatible endpoints per pool, with tenants, quotas and "
+                                           "priorities. Authenticate with 'Authorization: Bearer <key>'.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"no route for {request.method} {request.url.path}" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return ApiError(exc.status_code, code, message).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return ApiError(400, "invalid_request", f"{loc}: {first.get('msg', 'invalid')}",
+                        str(first.get("loc", [None])[-1])).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ApiError(500, "internal_error", "internal error; it has been logged").response()
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def route_class(app: FastAPI, cls: type = Router) -> type:
+    """A subclass of `cls` whose methods are registered on `app` (Serve's class-based views)."""
+    methods = {}
+    for verb, path, name in ROUTES:
+        fn = getattr(cls, name)
+        methods[name] = getattr(app, verb)(path, include_in_schema=True, name=name)(fn)
+    routed = type(cls.__name__, (cls,), methods)
+    routed.__qualname__ = cls.__qualname__
+    return routed
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+    from ray.llm._internal.serve.core.configs import openai_api_models as m
+
+    schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
+    _, defs = models_json_schema([(m.ChatCompletionRequest, "validation"), (m.CompletionRequest, "validation")],
+                                 ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {})
+    components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+    components["schemas"]["Error"] = ERROR_SCHEMA
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    schema["security"] = [{"bearer": []}]
+    for model in BODIES.values():
+        props = components["schemas"][model].get("properties", {})
+        for field in RESERVED_FIELDS:
+            props.pop(field, None)
+    for path, ops in schema["paths"].items():
+        for verb, op in ops.items():
+            kind = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") \
+                else None
+            if kind and verb == "post":
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{BODIES[kind]}"}}}}
+            op.setdefault("responses", {})
+            for status in ("400", "401", "403", "404", "413", "429", "503"):
+                op["responses"][status] = {"description": "error", "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}}}
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,88 @@
+"""Routing policy: priority clamping, pool choice and borrowing (pure).
+
+Borrowing lets offline work use the online pool while chat is quiet, and gives the
+capacity back at once when chat returns:
+  * only when the home pool is saturated (work would wait there anyway);
+  * only while the target's own utilisation (its own traffic, borrowed work excluded)
+    is below `while_below_utilisation`;
+  * at most `max_share` of the target's capacity is ever lent;
+  * borrowed requests run in the lowest class (BORROWED) on the target's gate, so any
+    target request is admitted first and a full queue evicts borrowed work first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pools.types import PriorityClass
+
+
+class PolicyError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+def resolve_priority(default: PriorityClass, ceiling: PriorityClass, requested: str | None) -> PriorityClass:
+    """The tenant's class, or the requested one clamped so it is never above the ceiling."""
+    if requested is None or requested == "":
+        return default
+    try:
+        asked = PriorityClass.parse(requested)
+    except ValueError as e:
+        raise PolicyError(400, "invalid_priority", f"header x-poolserve-priority: {e}", "x-poolserve-priority")
+    if asked is PriorityClass.BORROWED:
+        raise PolicyError(400, "invalid_priority", "header x-poolserve-priority: 'borrowed' is internal; "
+                          "use interactive, standard or batch", "x-poolserve-priority")
+    return max(asked, ceiling)  # a larger value is less important
+
+
+def choose_pool(path_pool: str | None, allowed: tuple[str, ...], home: str, known: tuple[str, ...]) -> str:
+    pool = path_pool or home
+    if pool not in known:
+        raise PolicyError(404, "pool_not_found", f"unknown pool {pool!r}; pools are {', '.join(known)}")
+    if pool not in allowed:
+        raise PolicyError(403, "pool_not_allowed",
+                          f"this API key may not use pool {pool!r}; it may use {', '.join(allowed)}")
+    return pool
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's load as a router replica sees it: capacity across replicas, its own
+    in-flight requests (borrowed ones apart), and the cluster-wide active + queued count
+    from the controller's last view (covers other router replicas; a second or so old)."""
+
+    capacity: int
+    own_inflight: int
+    borrowed_inflight: int = 0
+    cluster_load: int = 0
+    queued: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        return self.own_inflight / self.capacity if self.capacity > 0 else 1.0
+
+    @property
+    def saturated(self) -> bool:
+        return max(self.own_inflight + self.borrowed_inflight, self.cluster_load) >= self.capacity
+
+
+@dataclass(frozen=True)
+class BorrowRule:
+    into: str
+    max_share: float
+    while_below_utilisation: float
+
+
+def borrow_decision(home: PoolLoad, target: PoolLoad, rule: BorrowRule) -> tuple[bool, str]:
+    """Whether to send one more request of the home pool to `rule.into`, and why."""
+    if not home.saturated:
+        return False, "home pool has room"
+    if target.queued > 0:
+        return False, "target pool is queueing"
+    if target.utilisation >= rule.while_below_utilisation:
+        return False, f"target utilisation {target.utilisation:.2f} >= {rule.while_below_utilisation}"
+    if target.borrowed_inflight + 1 > int(rule.max_share * target.capacity):
+        return False, f"borrowed share at its cap ({rule.max_share:.0%} of {target.capacity})"
+    return True, "home saturated, target idle"

@@ -1,0 +1,311 @@
+"""Per-tenant quotas: token buckets, a shared ledger, and the leases router replicas hold.
+
+Pure decision code: no Ray, no clock reads; every call takes `now`.
+
+Three limits per tenant, all enforced before work starts:
+  * requests per minute and tokens per minute: token buckets that refill continuously
+    (capacity = one minute's worth, refill = capacity / 60 per second);
+  * concurrent requests: a count of slots.
+
+The `QuotaLedger` owns the buckets and the slot counts for the whole cluster (it runs as
+one Ray actor). A router replica does not call it per request: it holds a `Lease`
+(some requests, tokens and slots taken from the ledger in advance) and spends locally.
+When its balance cannot cover a request it asks for the shortfall plus a chunk; the
+ledger grants all of the shortfall or nothing, and says how long until it could.
+A request is charged its prompt tokens plus `max_tokens`; when it ends, the part it did
+not use (real `usage`) is refunded to the local balance. Unused balances go back to the
+ledger at each sync, so other replicas can spend them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+INF = math.inf
+
+
+@dataclass
+class TokenBucket:
+    capacity: float
+    refill_per_s: float
+    level: float
+    updated: float
+
+    @classmethod
+    def per_minute(cls, amount: int | None, now: float) -> "TokenBucket | None":
+        return None if amount is None else cls(amount, amount / 60.0, float(amount), now)
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.refill_per_s)
+            self.updated = now
+
+    def available(self, now: float) -> float:
+        self._refill(now)
+        return self.level
+
+    def take(self, n: float, now: float) -> bool:
+        self._refill(now)
+        if self.level + 1e-9 < n:
+            return False
+        self.level -= n
+        return True
+
+    def give_back(self, n: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + n)
+
+    def time_until(self, n: float, now: float) -> float:
+        """Seconds until `n` units are available (inf if n exceeds the capacity)."""
+        self._refill(now)
+        if n > self.capacity:
+            return INF
+        return max(0.0, (n - self.level) / self.refill_per_s)
+
+
+@dataclass(frozen=True)
+class Quota:
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    max_concurrent: int | None = None
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a router replica asks the ledger for: `requests`/`tokens`/`slots` must all be
+    granted or none; `extra_*` are granted as far as available."""
+
+    requests: int = 0
+    tokens: int = 0
+    slots: int = 0
+    extra_requests: int = 0
+    extra_tokens: int = 0
+    extra_slots: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    requests: float
+    tokens: float
+    slots: int
+    retry_after_s: float  # 0 when granted; seconds until the need could be met otherwise
+    limit: str = ""  # which limit refused: "requests" | "tokens" | "concurrency" | "too_large"
+    remaining_requests: float = INF
+    remaining_tokens: float = INF
+
+    @property
+    def granted(self) -> bool:
+        return self.retry_after_s == 0
+
+
+@dataclass
+class _TenantAccount:
+    quota: Quota
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    slots_out: dict[str, int] = field(default_factory=dict)  # router id -> slots held
+    seen: dict[str, float] = field(default_factory=dict)  # router id -> last sync
+
+
+class QuotaLedger:
+    """The cluster-wide truth about every tenant's quota (one instance, one actor)."""
+
+    def __init__(self, quotas: dict[str, Quota], now: float, holder_ttl_s: float = 30.0) -> None:
+        self._holder_ttl_s = holder_ttl_s
+        self._accounts = {
+            name: _TenantAccount(q, TokenBucket.per_minute(q.requests_per_min, now),
+                                 TokenBucket.per_minute(q.tokens_per_min, now))
+            for name, q in quotas.items()
+        }
+
+    def grant(self, tenant: str, holder: str, need: Need, now: float) -> Grant:
+        acct = self._accounts[tenant]
+        acct.seen[holder] = now
+        self._expire_holders(acct, now)
+        refusal = self._refusal(acct, need, now)
+        if refusal is not None:
+            return refusal
+        req = self._take(acct.requests, need.requests, need.extra_requests, now)
+        tok = self._take(acct.tokens, need.tokens, need.extra_tokens, now)
+        free = self._free_slots(acct)
+        slots = 0 if free == INF else need.slots + min(need.extra_slots, max(0, int(free) - need.slots))
+        if slots:
+            acct.slots_out[holder] = acct.slots_out.get(holder, 0) + slots
+        return Grant(req, tok, slots, 0.0, "", *self._remaining(acct, now))
+
+    def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots: int, now: float) -> Grant:
+        """Take back unused requests, tokens and slots; report what remains."""
+        acct = self._accounts[tenant]
+        acct.seen[holder] = now
+        if acct.requests is not None and requests > 0:
+            acct.requests.give_back(requests, now)
+        if acct.tokens is not None and tokens > 0:
+            acct.tokens.give_back(tokens, now)
+        if slots:
+            acct.slots_out[holder] = max(0, acct.slots_out.get(holder, 0) - slots)
+        return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now))
+
+    def usage(self, tenant: str, now: float) -> dict[str, float]:
+        acct = self._accounts[tenant]
+        rem_req, rem_tok = self._remaining(acct, now)
+        return {"remaining_requests": rem_req, "remaining_tokens": rem_tok,
+                "concurrent": sum(acct.slots_out.values())}
+
+    # -- internals ---------------------------------------------------------------
+
+    def _refusal(self, acct: _TenantAccount, need: Need, now: float) -> Grant | None:
+        waits = []
+        for name, bucket, n in (("requests", acct.requests, need.requests), ("tokens", acct.tokens, need.tokens)):
+            if bucket is not None and n > 0:
+                wait = bucket.time_until(n, now)
+                if wait == INF:
+                    return Grant(0, 0, 0, INF, "too_large", *self._remaining(acct, now))
+                if wait > 0:
+                    waits.append((wait, name))
+        if need.slots and self._free_slots(acct) < need.slots:
+            waits.append((1.0, "concurrency"))  # a slot frees when a request ends; try again soon
+        if not waits:
+            return None
+        wait, name = max(waits)
+        return Grant(0, 0, 0, wait, name, *self._remaining(acct, now))
+
+    @staticmethod
+    def _take(bucket: TokenBucket | None, n: int, extra: int, now: float) -> float:
+        if bucket is None:
+            return INF
+        bucket.take(n, now)
+        bonus = min(extra, max(0.0, bucket.available(now)))
+        bucket.take(bonus, now)
+        return n + bonus
+
+    def _free_slots(self, acct: _TenantAccount) -> float:
+        if acct.quota.max_concurrent is None:
+            return INF
+        return acct.quota.max_concurrent - sum(acct.slots_out.values())
+
+    def _expire_holders(self, acct: _TenantAccount, now: float) -> None:
+        """Slots held by a router replica that stopped syncing (it died) come back."""
+        for holder, seen in list(acct.seen.items()):
+            if now - seen > self._holder_ttl_s:
+                acct.slots_out.pop(holder, None)
+                del acct.seen[holder]
+
+    @staticmethod
+    def _remaining(acct: _TenantAccount, now: float) -> tuple[float, float]:
+        return (INF if acct.requests is None else acct.requests.available(now),
+                INF if acct.tokens is None else acct.tokens.available(now))
+
+
+@dataclass
+class Lease:
+    """One router replica's local balance for one tenant."""
+
+    requests: float = 0.0
+    tokens: float = 0.0
+    slots_free: int = 0
+    slots_used: int = 0
+    remaining_requests: float = INF  # the ledger's figure at the last exchange
+    remaining_tokens: float = INF
+    synced_at: float = -INF
+
+
+@dataclass(frozen=True)
+class Charge:
+    tenant: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Denied:
+    limit: str
+    retry_after_s: float
+    remaining_requests: float
+    remaining_tokens: float
+
+
+class LeaseBook:
+    """A router replica's leases. `try_charge` is the hot path and never awaits.
+
+    When it returns a `Need`, the caller asks the ledger, passes the `Grant` to `add`,
+    and tries again once.
+    """
+
+    def __init__(self, quotas: dict[str, Quota], lease_fraction: float) -> None:
+        self._quotas = quotas
+        self._fraction = lease_fraction
+        self._leases = {t: Lease() for t in quotas}
+
+    def lease(self, tenant: str) -> Lease:
+        return self._leases[tenant]
+
+    def try_charge(self, tenant: str, tokens: int) -> Charge | Need:
+        q, lease = self._quotas[tenant], self._leases[tenant]
+        short_req = q.requests_per_min is not None and lease.requests < 1
+        short_tok = q.tokens_per_min is not None and lease.tokens < tokens
+        short_slot = q.max_concurrent is not None and lease.slots_free < 1
+        if short_req or short_tok or short_slot:
+            return Need(
+                requests=1 if short_req else 0,
+                tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
+                slots=1 if short_slot else 0,
+                extra_requests=self._chunk(q.requests_per_min),
+                extra_tokens=self._chunk(q.tokens_per_min),
+                extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
+            )
+        if q.requests_per_min is not None:
+            lease.requests -= 1
+        if q.tokens_per_min is not None:
+            lease.tokens -= tokens
+        if q.max_concurrent is not None:
+            lease.slots_free -= 1
+            lease.slots_used += 1
+        return Charge(tenant, tokens)
+
+    def add(self, tenant: str, grant: Grant, now: float) -> Denied | None:
+        lease = self._leases[tenant]
+        lease.remaining_requests, lease.remaining_tokens = grant.remaining_requests, grant.remaining_tokens
+        lease.synced_at = now
+        if not grant.granted:
+            return Denied(grant.limit, grant.retry_after_s, self.remaining_requests(tenant),
+                          self.remaining_tokens(tenant))
+        q = self._quotas[tenant]
+        if q.requests_per_min is not None:
+            lease.requests += grant.requests
+        if q.tokens_per_min is not None:
+            lease.tokens += grant.tokens
+        lease.slots_free += grant.slots
+        return None
+
+    def finish(self, charge: Charge, used_tokens: int | None) -> None:
+        """A request ended: free its slot and refund the tokens it did not use."""
+        q, lease = self._quotas[charge.tenant], self._leases[charge.tenant]
+        if q.max_concurrent is not None:
+            lease.slots_used -= 1
+            lease.slots_free += 1
+        if q.tokens_per_min is not None and used_tokens is not None:
+            lease.tokens += max(0, charge.tokens - used_tokens)
+
+    def surplus(self, tenant: str) -> tuple[float, float, int]:
+        """What to hand back to the ledger at a sync: unused requests, tokens and idle slots
+        beyond one chunk. The balances are zeroed (slots kept up to a chunk)."""
+        q, lease = self._quotas[tenant], self._leases[tenant]
+        req = lease.requests if q.requests_per_min is not None else 0
+        tok = lease.tokens if q.tokens_per_min is not None else 0
+        keep = self._chunk(q.max_concurrent) if q.max_concurrent else 0
+        slots = max(0, lease.slots_free - keep)
+        lease.requests -= req
+        lease.tokens -= tok
+        lease.slots_free -= slots
+        return req, tok, slots
+
+    def remaining_requests(self, tenant: str) -> float:
+        lease = self._leases[tenant]
+        return lease.remaining_requests + max(0.0, lease.requests)
+
+    def remaining_tokens(self, tenant: str) -> float:
+        lease = self._leases[tenant]
+        return lease.remaining_tokens + max(0.0, lease.tokens)
+
+    def _chunk(self, per_min: int | None) -> int:
+        return 0 if per_min is None else max(1, int(per_min * self._fraction))

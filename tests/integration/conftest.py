@@ -1,0 +1,114 @@
+"""One real stack per test session: local Ray, Serve, both vLLM (CPU) pools with the tiny
+model, router, ledger and autoscaler, deployed from tests/integration/config.yaml.
+
+Tests talk to it over HTTP (the `openai` SDK and httpx) and synchronise on conditions
+with timeouts (`wait_for`), never on fixed sleeps. Tests that change limits or SLOs put
+them back (`pinned`, `slo`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CONFIG = HERE / "config.yaml"
+MODEL = REPO / ".cache" / "models" / "tiny-llama"
+KEYS = {"chat": "sk-test-chat", "batch": "sk-test-batch", "limited": "sk-test-limited", "other": "sk-test-other"}
+ADMIN = "test-admin"
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(condition, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@dataclass
+class Stack:
+    base_url: str
+    metrics_url: str
+    dashboard_url: str
+    resolved: object
+
+    def client(self, tenant: str = "chat", pool: str | None = "online", **kw):
+        from openai import OpenAI
+
+        base = f"{self.base_url}/{pool}/v1" if pool else f"{self.base_url}/v1"
+        return OpenAI(base_url=base, api_key=KEYS[tenant], max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, f"{self.base_url}{path}", headers={"Authorization": f"Bearer {ADMIN}"},
+                             timeout=30, **kw)
+
+    def pools(self) -> dict:
+        r = self.admin("GET", "/admin/pools")
+        r.raise_for_status()
+        return r.json()
+
+    def replica(self, pool: str) -> dict:
+        replicas = self.pools()[pool]["replicas"]
+        assert replicas, f"no fresh report from {pool}"
+        return replicas[0]
+
+    def fresh_replica(self, pool: str) -> dict:
+        """The replica's first report made after this call: it counts everything done before."""
+        since = time.time()
+        return wait_for(lambda: (lambda r: r if r["reported_at"] > since else None)(self.replica(pool)), 10,
+                        what=f"a fresh report from {pool}")
+
+    @contextlib.contextmanager
+    def pinned(self, pool: str, seqs: int, calibrating: bool = True):
+        """Hold a pool's limit for the duration of a block, and wait until replicas apply it."""
+        r = self.admin("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs,
+                                                                     "calibrating": calibrating})
+        assert r.status_code == 200, r.text
+        wait_for(lambda: self.replica(pool)["limits"]["max_active_seqs"] == seqs, 30, what=f"{pool} at {seqs}")
+        try:
+            yield
+        finally:
+            self.admin("DELETE", f"/admin/pools/{pool}/limits")
+
+    def wait_idle(self, pool: str, timeout: float = 120) -> None:
+        wait_for(lambda: (lambda r: r["active"] == 0 and sum(r["queued_by_class"].values()) == 0)(self.replica(pool)),
+                 timeout, what=f"{pool} idle")
+
+
+@pytest.fixture(scope="session")
+def stack():
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import load
+
+    if not (MODEL / "config.json").exists():
+        from pools.tiny_model import make_tiny_model
+
+        make_tiny_model(MODEL)
+    resolved = load(CONFIG)
+    c = resolved.config
+    ray.init(num_cpus=c.ray.num_cpus, include_dashboard=True, _metrics_export_port=c.ray.metrics_export_port,
+             dashboard_port=8275, log_to_driver=False)
+    serve.start(http_options={"host": c.router.host, "port": c.router.port})
+    serve.run(build_app(resolved), name="poolserve", route_prefix="/")
+    s = Stack(f"http://{c.router.host}:{c.router.port}", f"http://127.0.0.1:{c.ray.metrics_export_port}/metrics",
+              "http://127.0.0.1:8275", resolved)
+    wait_for(lambda: all(v["replicas"] for v in s.pools().values()), 60, what="first replica reports")
+    yield s
+    serve.shutdown()
+    ray.shutdown()

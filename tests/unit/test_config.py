@@ -1,0 +1,158 @@
+"""Config validation: every bad value is reported with its key, its value and a fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import ConfigError, parse, resolve
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "a" * 64
+SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+         "head_dim": 64, "torch_dtype": "float32"}
+
+
+def base() -> dict:
+    return {
+        "model": {"id": "m", "source": "model", "dtype": "float32", "max_model_len": 2048},
+        "pools": {
+            "online-chat": {
+                "route_prefix": "/online",
+                "engine": {"max_num_seqs": 32, "max_num_batched_tokens": 2048, "kv_cache_gb": 1},
+                "limits": {"range": [2, 16], "start": 8},
+                "slo": {"ttft_p99_ms": 1000, "tpot_p99_ms": 100},
+                "queue": {"max_queued": 64},
+                "traffic": {"p50_tokens": 300, "p90_tokens": 700, "p99_tokens": 1100},
+            },
+            "offline-batch": {
+                "route_prefix": "/offline",
+                "engine": {"max_num_seqs": 64, "max_num_batched_tokens": 4096, "kv_cache_gb": 1},
+                "limits": {"range": [8, 32]},
+                "slo": {"ttft_p99_ms": 60000, "tpot_p99_ms": 400},
+                "queue": {"max_queued": 1000, "max_wait_ms": 200, "min_batch_tokens": 4096},
+                "traffic": {"p50_tokens": 300, "p90_tokens": 700, "p99_tokens": 1100},
+                "borrow": {"into": "online-chat", "max_share": 0.25, "while_below_utilisation": 0.5},
+            },
+        },
+        "tenants": [{"name": "acme", "key_sha256": KEY, "pools": ["online-chat", "offline-batch"]}],
+    }
+
+
+def set_path(d: dict, path: str, value) -> dict:
+    d = copy.deepcopy(d)
+    keys = path.split(".")
+    node = d
+    for k in keys[:-1]:
+        node = node[int(k)] if k.isdigit() else node[k]
+    last = keys[-1]
+    if value is DELETE:
+        del node[last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return d
+
+
+DELETE = object()
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(SHAPE))
+    return tmp_path
+
+
+def check(data: dict, base_dir: Path):
+    return resolve(parse(data), base_dir)
+
+
+def test_base_config_is_valid(model_dir):
+    r = check(base(), model_dir)
+    assert r.pools["online-chat"].safe_range.steps == (2, 4, 8, 16)
+    assert r.pools["offline-batch"].start_seqs == 8
+    assert r.pools["online-chat"].kv_capacity_tokens == 524_288
+
+
+BAD = [
+    ("model.max_model_len", 4, "model.max_model_len", "greater than or equal to 16"),
+    ("model.dtype", "fp64", "model.dtype", "float32"),
+    ("model.colour", "red", "model.colour", "Extra inputs"),
+    ("pools.online-chat.route_prefix", "online", "pools.online-chat.route_prefix", "a slash"),
+    ("pools.online-chat.engine.max_num_seqs", 0, "pools.online-chat.engine.max_num_seqs", "greater than"),
+    ("pools.online-chat.engine.max_num_seqs", 8, "pools.online-chat.limits.range", "above engine.max_num_seqs"),
+    ("pools.online-chat.limits.range", [3, 8], "pools.online-chat.limits", "two ladder steps"),
+    ("pools.online-chat.limits.start", 32, "pools.online-chat.limits.start", "inside the safe range"),
+    ("pools.online-chat.limits.range", DELETE, "pools.online-chat.limits", "either `profile`"),
+    ("pools.online-chat.limits.profile", "nope.yaml", "pools.online-chat.limits.profile", "cannot load"),
+    ("pools.online-chat.queue.max_queued", 0, "pools.online-chat.queue.max_queued", "greater than"),
+    ("pools.online-chat.queue.max_queued_tokens", 100, "pools.online-chat.queue.max_queued_tokens",
+     "one full-length request"),
+    ("pools.online-chat.traffic.p99_tokens", 200, "pools.online-chat.traffic", "p50_tokens <= p90_tokens"),
+    ("pools.online-chat.traffic.p99_tokens", 4096, "pools.online-chat.traffic.p99_tokens", "max_model_len"),
+    ("pools.online-chat.engine.kv_cache_gb", 0.01, "pools.online-chat.engine.kv_cache_gb", "sequences at the p99"),
+    ("pools.online-chat.replicas", {"min": 3, "max": 1}, "pools.online-chat.replicas", "min (3) is above max"),
+    ("pools.offline-batch.borrow.into", "nowhere", "pools.offline-batch.borrow.into", "another pool"),
+    ("pools.offline-batch.borrow.max_share", 1.5, "pools.offline-batch.borrow.max_share", "less than or equal"),
+    ("pools.offline-batch.route_prefix", "/online", "pools.offline-batch.route_prefix", "taken"),
+    ("tenants.0.key_sha256", "secret", "tenants.0.key_sha256", "64 lowercase hex"),
+    ("tenants.0.pools", ["online-chat", "gpu-pool"], "tenants[0].pools", "unknown pool 'gpu-pool'"),
+    ("tenants.0.default_pool", "x", "tenants.0", "default_pool 'x' is not in pools"),
+    ("tenants.0.weight", -1, "tenants.0.weight", "greater than 0"),
+    ("tenants.0.priority", "urgent", "tenants.0.priority", "interactive"),
+    ("tenants", [], "tenants", "at least 1"),
+    ("autoscale", {"cooldown_s": 60, "reversal_cooldown_s": 10}, "autoscale", "reversal_cooldown_s"),
+]
+
+
+@pytest.mark.parametrize("path, value, key, fragment", BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])
+def test_bad_config_names_the_key(model_dir, path, value, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        check(set_path(base(), path, value), model_dir)
+    text = str(info.value)
+    assert any(p.key == key for p in info.value.problems), text
+    assert fragment in text
+    assert "Fix:" in text
+
+
+def test_every_problem_is_reported_at_once(model_dir):
+    data = set_path(set_path(base(), "model.dtype", "fp64"), "tenants.0.weight", 0)
+    with pytest.raises(ConfigError) as info:
+        check(data, model_dir)
+    assert {p.key for p in info.value.problems} >= {"model.dtype", "tenants.0.weight"}
+
+
+def test_cross_checks_are_collected_together(model_dir):
+    data = set_path(base(), "pools.offline-batch.borrow.into", "nowhere")
+    data = set_path(data, "tenants.0.pools", ["online-chat", "gpu-pool"])
+    with pytest.raises(ConfigError) as info:
+        check(data, model_dir)
+    assert len(info.value.problems) == 2
+
+
+def test_validate_cli_exits_nonzero_and_prints_problems(model_dir):
+    bad = set_path(base(), "pools.online-chat.engine.max_num_seqs", 8)
+    path = model_dir / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    run = subprocess.run([sys.executable, "-m", "deployments.cli", "validate", str(path)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 1
+    assert "pools.online-chat.limits.range: [2, 16]: top 16 is above engine.max_num_seqs 8" in run.stderr
+    good = model_dir / "good.yaml"
+    good.write_text(yaml.safe_dump(base()))
+    run = subprocess.run([sys.executable, "-m", "deployments.cli", "validate", str(good)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    assert "OK" in run.stdout
+
+
+def test_shipped_local_config_is_valid():
+    run = subprocess.run([sys.executable, "-m", "deployments.cli", "validate",
+                          str(REPO / "deployments/configs/local.yaml")], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr
