@@ -150,7 +150,7 @@ class PoolServer(LLMServer):
         finally:
             if not done:
                 self._metrics.cancelled(call.tenant, call.priority)
-            self._gate.release(ticket, usage.total_tokens if usage else None)
+            self._gate.release(ticket, usage.total_tokens if usage else None, cancelled=not done)
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
         """The engine's output for one call; streams are timed, usage split off, and batched."""

@@ -1,0 +1,128 @@
+"""What every benchmark shares: a stack from a config, machine facts, and the JSON record.
+
+Benchmarks are boring on purpose: seeded loads, a warm-up, fixed lengths, one JSON result
+in `bench/results/<name>.json` with the machine and versions it was measured on. Compare
+set-ups inside one run only; never against a figure from another run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+LOCAL = REPO / "deployments" / "configs" / "local.yaml"
+ADMIN_KEY = "poolserve-admin-dev"
+KEYS = {"chat": "sk-chat-dev", "batch": "sk-batch-dev", "acme": "sk-acme-dev"}
+
+
+def local_config() -> dict:
+    """The embedded default as a dict, with its relative paths made absolute."""
+    data = yaml.safe_load(LOCAL.read_text())
+    data["model"]["source"] = str((LOCAL.parent / data["model"]["source"]).resolve())
+    for pool in data["pools"].values():
+        if pool["limits"].get("profile"):
+            pool["limits"]["profile"] = str((LOCAL.parent / pool["limits"]["profile"]).resolve())
+    return data
+
+
+def variant(base: dict, **changes: Any) -> dict:
+    """A deep copy with dotted keys replaced, e.g. variant(cfg, **{"autoscale.dry_run": True})."""
+    out = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        node = out
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node[k]
+        if value is None:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = value
+    return out
+
+
+def machine() -> dict:
+    import ray
+    import vllm
+
+    from pools.engine import hardware_name
+
+    return {"hardware": hardware_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "ray": ray.__version__, "vllm": vllm.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **result}, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+@dataclass
+class Stack:
+    base_url: str
+    resolved: Any
+
+    def admin(self, method: str, path: str, **kw):
+        import httpx
+
+        return httpx.request(method, f"{self.base_url}{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                             timeout=30, **kw)
+
+    def pin(self, pool: str, seqs: int, calibrating: bool = True) -> None:
+        r = self.admin("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs, "calibrating": calibrating})
+        r.raise_for_status()
+        self.wait(lambda: self.admin("GET", "/admin/pools").json()[pool]["replicas"][0]["limits"]["max_active_seqs"]
+                  == seqs, 30)
+
+    @staticmethod
+    def wait(cond, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                if cond():
+                    return
+            except (KeyError, IndexError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("condition not met")
+
+
+@contextmanager
+def ray_cluster(num_cpus: int = 8, metrics_port: int = 8080) -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(config: dict, name: str = "poolserve", route_prefix: str = "/") -> Stack:
+    """Deploy poolserve from a config dict (paths absolute) into the running cluster."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import parse, resolve
+
+    resolved = resolve(parse(config), REPO)
+    serve.run(build_app(resolved), name=name, route_prefix=route_prefix)
+    stack = Stack("http://127.0.0.1:8000", resolved)
+    stack.wait(lambda: all(v["replicas"] for v in stack.admin("GET", "/admin/pools").json().values()), 60)
+    return stack

@@ -1,0 +1,409 @@
+"""An async load generator over the OpenAI streaming API (httpx).
+
+Modes: closed loop (a fixed number of requests outstanding) and open loop (Poisson
+arrivals at a rate, or the arrival times of a trace). Request lengths come from the
+Azure 2023 conversation trace, scaled to the model's context, or from a seeded synthetic
+distribution. Warm-up and measurement windows are separate: only requests that *start*
+inside the measurement window count.
+
+Per request (all times in seconds, measured at the client):
+    TTFT = first content token received - request sent
+    E2E  = last byte received - request sent
+    TPOT = (E2E - TTFT) / (output tokens - 1)        (undefined for one output token)
+Summary:
+    req/s          = completed requests / measurement window
+    input tok/s    = sum(prompt tokens of completed) / window
+    output tok/s   = sum(output tokens of completed) / window
+    goodput req/s  = completed requests with TTFT <= SLO TTFT and TPOT <= SLO TPOT / window
+    error rate     = non-2xx (other than 429) or broken streams / requests sent
+    rejection rate = 429 responses / requests sent
+Output tokens come from the server's `usage` (stream_options.include_usage), so the
+counts are the engine's, not a count of SSE chunks.
+
+The generator must not be the bottleneck it measures: its connection pool is larger than
+the requests it keeps outstanding, each traffic class gets its own client (run a flood in
+its own process: `python -m bench.loadgen ...`), and it reports its own event-loop lag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+from pools.kv_budget import percentile
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "azure_llm_2023_conv.csv"
+WORDS = ("the batch queue token cache model request latency throughput prefill decode sequence pool tenant "
+         "quota chat offline online serve replica engine limit budget window knee range profile time first "
+         "output input length memory block kernel graph priority fair share").split()
+
+
+# -- lengths ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Lengths:
+    """A seeded source of (prompt tokens, output tokens) pairs, and optional arrival times."""
+
+    pairs: tuple[tuple[int, int], ...]
+    arrivals: tuple[float, ...] = ()
+    source: str = "synthetic"
+    scale: float = 1.0
+
+    def sample(self, rng: random.Random) -> tuple[int, int]:
+        return self.pairs[rng.randrange(len(self.pairs))]
+
+    def stats(self) -> dict:
+        def pct(xs):
+            return {"p50": int(percentile(xs, 50)), "p90": int(percentile(xs, 90)), "p99": int(percentile(xs, 99))}
+        p = [a for a, _ in self.pairs]
+        o = [b for _, b in self.pairs]
+        return {"prompt_tokens": pct(p), "output_tokens": pct(o), "total_tokens": pct([a + b for a, b in self.pairs])}
+
+
+def trace_lengths(max_model_len: int, path: Path = TRACE, scale: float | None = None,
+                  min_output: int = 4) -> Lengths:
+    """The trace's lengths, scaled so that its p99 total is half the context (or by `scale`),
+    clipped to fit the context; arrivals in seconds from the first row."""
+    rows = list(csv.DictReader(path.open()))
+    raw = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
+    if scale is None:
+        scale = (max_model_len / 2) / percentile([a + b for a, b in raw], 99)
+    pairs = []
+    for a, b in raw:
+        p, o = max(1, round(a * scale)), max(min_output, round(b * scale))
+        if p + o >= max_model_len:
+            p = max(1, max_model_len - o - 64)
+        pairs.append((p, o))
+    t0 = _ts(rows[0]["TIMESTAMP"])
+    arrivals = tuple(_ts(r["TIMESTAMP"]) - t0 for r in rows)
+    return Lengths(tuple(pairs), arrivals, f"azure_llm_2023_conv.csv x{scale:.3f}", scale)
+
+
+def _ts(text: str) -> float:
+    return datetime.strptime(text[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+def synthetic_lengths(prompt: int, output: int, spread: float = 0.0, n: int = 1000, seed: int = 0) -> Lengths:
+    """Fixed lengths (spread 0) or lognormal around them."""
+    rng = random.Random(seed)
+    if spread <= 0:
+        return Lengths(((prompt, output),), source=f"fixed {prompt}/{output}")
+    pairs = tuple((max(1, int(rng.lognormvariate(math.log(prompt), spread))),
+                   max(2, int(rng.lognormvariate(math.log(output), spread)))) for _ in range(n))
+    return Lengths(pairs, source=f"lognormal {prompt}/{output} sigma {spread}")
+
+
+def make_prompt(tokens: int, rng: random.Random) -> str:
+    """Text of about `tokens` tokens for the tiny model's tokenizer (one word ~ one token)."""
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
+
+
+# -- one request --------------------------------------------------------------------
+
+@dataclass
+class Result:
+    start: float
+    status: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+    pool: str = ""
+    borrowed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str  # e.g. http://127.0.0.1:8000/online/v1
+    api_key: str
+    model: str = "tiny-llama"
+    chat: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
+    stream: bool = True  # False: whole responses, as a batch job sends them (no TTFT then)
+
+
+async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> Result:
+    body = {"model": target.model, "max_tokens": max_tokens, "stream": target.stream, "ignore_eos": True}
+    if target.stream:
+        body["stream_options"] = {"include_usage": True}
+    if target.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        url = f"{target.base_url}/chat/completions"
+    else:
+        body["prompt"] = prompt
+        url = f"{target.base_url}/completions"
+    headers = {"Authorization": f"Bearer {target.api_key}", **dict(target.headers)}
+    res = Result(start=time.monotonic())
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            res.status = resp.status_code
+            res.pool = resp.headers.get("x-poolserve-pool", "")
+            res.borrowed = resp.headers.get("x-poolserve-borrowed") == "true"
+            if resp.status_code != 200 or not target.stream:
+                await resp.aread()
+                if resp.status_code != 200:
+                    res.error = resp.text[:200]
+                else:
+                    usage = resp.json().get("usage") or {}
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                    res.output_tokens = usage.get("completion_tokens", 0)
+                    res.e2e = time.monotonic() - res.start
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"].get("message", "stream error"))[:200]
+                    break
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"]["prompt_tokens"]
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if res.ttft is None and _has_token(data):
+                    res.ttft = time.monotonic() - res.start
+        res.e2e = time.monotonic() - res.start
+    except (httpx.HTTPError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+def _has_token(chunk: dict) -> bool:
+    for c in chunk.get("choices") or []:
+        if c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+# -- loops --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Window:
+    warmup_s: float
+    measure_s: float
+
+
+class LoopLag:
+    """How late the event loop wakes up: a lagging loop would inflate every latency."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.every_s, self.samples = every_s, []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.every_s)
+            self.samples.append(time.monotonic() - t - self.every_s)
+
+    def __enter__(self):
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc):
+        self._task.cancel()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"p99_ms": 0.0, "max_ms": 0.0}
+        return {"p99_ms": percentile(self.samples, 99) * 1e3, "max_ms": max(self.samples) * 1e3}
+
+
+def _client(outstanding: int) -> httpx.AsyncClient:
+    # A pool larger than what is kept outstanding: requests never wait for a connection here.
+    n = outstanding + 32
+    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30),
+                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+
+async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window: Window, seed: int = 0,
+                      max_requests: int | None = None) -> "Run":
+    """`concurrency` workers, each sending its next request as soon as the last ends."""
+    rng = random.Random(seed)
+    results: list[Result] = []
+    t0 = time.monotonic()
+    end = t0 + window.warmup_s + window.measure_s
+    sent = 0
+
+    async def worker(client):
+        nonlocal sent
+        while time.monotonic() < end and (max_requests is None or sent < max_requests):
+            sent += 1
+            p, o = lengths.sample(rng)
+            results.append(await send(client, target, make_prompt(p, rng), o))
+
+    async with _client(concurrency) as client:
+        with LoopLag() as lag:
+            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), "closed", concurrency)
+
+
+async def open_loop(target: Target, lengths: Lengths, window: Window, rate: float | None = None,
+                    speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000) -> "Run":
+    """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times."""
+    rng = random.Random(seed)
+    results: list[Result] = []
+    t0 = time.monotonic()
+    horizon = window.warmup_s + window.measure_s
+    if rate is not None:
+        times, t = [], 0.0
+        while t < horizon:
+            t += rng.expovariate(rate)
+            times.append(t)
+    else:
+        times = [a / speedup for a in lengths.arrivals if a / speedup < horizon]
+    tasks = []
+    async with _client(max_outstanding) as client:
+        with LoopLag() as lag:
+            for i, at in enumerate(times):
+                delay = t0 + at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                p, o = lengths.pairs[i % len(lengths.pairs)] if rate is None else lengths.sample(rng)
+
+                async def one(p=p, o=o):
+                    results.append(await send(client, target, make_prompt(p, rng), o))
+                tasks.append(asyncio.get_running_loop().create_task(one()))
+            await asyncio.gather(*tasks)
+    label = f"poisson {rate}/s" if rate is not None else f"trace x{speedup}"
+    return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), label, len(times))
+
+
+# -- summary -------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    results: list[Result]
+    measure_from: float
+    measure_s: float
+    loop_lag: dict
+    mode: str
+    load: float
+
+    def measured(self) -> list[Result]:
+        end = self.measure_from + self.measure_s
+        return [r for r in self.results if self.measure_from <= r.start < end]
+
+    def summary(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "Summary":
+        return summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag)
+
+
+@dataclass
+class Summary:
+    requests: int
+    completed: int
+    duration_s: float
+    req_per_s: float
+    input_tok_per_s: float
+    output_tok_per_s: float
+    goodput_req_per_s: float | None
+    error_rate: float
+    rejection_rate: float
+    ttft_ms: dict
+    tpot_ms: dict
+    e2e_ms: dict
+    borrowed: int
+    loop_lag_ms: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _pcts(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50": None, "p95": None, "p99": None, "n": 0}
+    return {"p50": percentile(xs, 50) * 1e3, "p95": percentile(xs, 95) * 1e3, "p99": percentile(xs, 99) * 1e3,
+            "n": len(xs)}
+
+
+def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None = None,
+              tpot_slo_s: float | None = None, loop_lag: dict | None = None) -> Summary:
+    ok = [r for r in results if r.ok]
+    n = max(1, len(results))
+    good = None
+    if ttft_slo_s is not None and tpot_slo_s is not None:
+        good = sum(1 for r in ok if r.ttft is not None and r.ttft <= ttft_slo_s
+                   and (r.tpot is None or r.tpot <= tpot_slo_s)) / duration_s
+    return Summary(
+        requests=len(results), completed=len(ok), duration_s=duration_s,
+        req_per_s=len(ok) / duration_s,
+        input_tok_per_s=sum(r.prompt_tokens for r in ok) / duration_s,
+        output_tok_per_s=sum(r.output_tokens for r in ok) / duration_s,
+        goodput_req_per_s=good,
+        error_rate=sum(1 for r in results if not r.ok and r.status != 429) / n,
+        rejection_rate=sum(1 for r in results if r.status == 429) / n,
+        ttft_ms=_pcts([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=_pcts([r.tpot for r in ok if r.tpot is not None]),
+        e2e_ms=_pcts([r.e2e for r in ok if r.e2e is not None]),
+        borrowed=sum(1 for r in ok if r.borrowed),
+        loop_lag_ms=loop_lag or {},
+    )
+
+
+# -- CLI: one traffic class per process ---------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/offline/v1")
+    p.add_argument("--key", required=True)
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--no-stream", action="store_true", help="whole responses, as a batch job sends them")
+    p.add_argument("--concurrency", type=int, help="closed loop: requests kept outstanding")
+    p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    p.add_argument("--trace-speedup", type=float, help="open loop: replay the trace's arrivals this much faster")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--spread", type=float, default=0.0)
+    p.add_argument("--trace", action="store_true", help="lengths from the Azure trace, scaled to --max-model-len")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--warmup", type=float, default=5)
+    p.add_argument("--duration", type=float, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--header", action="append", default=[], help="extra header NAME:VALUE")
+    p.add_argument("--ttft-slo-ms", type=float)
+    p.add_argument("--tpot-slo-ms", type=float)
+    p.add_argument("--out", help="write the JSON result here (default: stdout)")
+    a = p.parse_args(argv)
+    lengths = trace_lengths(a.max_model_len) if a.trace else synthetic_lengths(a.prompt, a.output, a.spread,
+                                                                               seed=a.seed)
+    headers = tuple(tuple(h.split(":", 1)) for h in a.header)
+    target = Target(a.url, a.key, chat=a.chat, headers=headers, stream=not a.no_stream)
+    window = Window(a.warmup, a.duration)
+    if a.concurrency:
+        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed))
+    else:
+        run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
+                                    seed=a.seed))
+    slo = (a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None, a.tpot_slo_ms / 1e3 if a.tpot_slo_ms else None)
+    out = {"mode": run.mode, "load": run.load, "lengths": lengths.source, **run.summary(*slo).to_json()}
+    text = json.dumps(out, indent=2)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

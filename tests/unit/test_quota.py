@@ -1,0 +1,144 @@
+"""Quotas: token-bucket math, leases, reconciliation (fake clock, tables)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.quota import Charge, Grant, LeaseBook, Need, Quota, QuotaLedger, TokenBucket
+
+
+@pytest.mark.parametrize("take, wait, expect_level, expect_ok", [
+    (60, 0, 0, True),  # a full minute's worth at once
+    (61, 0, 60, False),  # one more than the capacity
+    (30, 0, 30, True),
+    (60, 30, 30, False),  # after draining, 30 s refill only 30 units
+], ids=["drain", "over", "half", "refilled"])
+def test_bucket_take(take, wait, expect_level, expect_ok):
+    b = TokenBucket.per_minute(60, now=0.0)
+    if wait:
+        b.take(60, 0.0)
+    ok = b.take(take, float(wait))
+    assert ok is expect_ok
+    assert b.available(float(wait)) == pytest.approx(expect_level)
+
+
+@pytest.mark.parametrize("level, need, seconds", [
+    (0, 30, 30.0), (10, 30, 20.0), (30, 30, 0.0), (0, 61, math.inf),
+])
+def test_bucket_time_until_is_exact(level, need, seconds):
+    b = TokenBucket(capacity=60, refill_per_s=1.0, level=level, updated=0.0)
+    assert b.time_until(need, 0.0) == seconds
+    if seconds not in (0.0, math.inf):
+        assert not b.take(need, seconds - 0.01) and b.take(need, seconds)
+
+
+def test_bucket_give_back_caps_at_capacity():
+    b = TokenBucket.per_minute(100, 0.0)
+    b.take(10, 0.0)
+    b.give_back(50, 0.0)
+    assert b.available(0.0) == 100
+
+
+def ledger(**quota) -> QuotaLedger:
+    return QuotaLedger({"t": Quota(**quota)}, now=0.0)
+
+
+def test_grant_is_all_or_nothing_for_the_need_and_best_effort_for_extra():
+    led = ledger(tokens_per_min=1000)
+    g = led.grant("t", "r1", Need(tokens=300, extra_tokens=500), 0.0)
+    assert g.granted and g.tokens == 800
+    g = led.grant("t", "r1", Need(tokens=300, extra_tokens=500), 0.0)
+    assert not g.granted and g.tokens == 0 and g.limit == "tokens"
+    assert g.retry_after_s == pytest.approx((300 - 200) / (1000 / 60))
+    g = led.grant("t", "r1", Need(tokens=200, extra_tokens=500), 0.0)
+    assert g.granted and g.tokens == 200  # nothing left for the extra
+
+
+def test_request_larger_than_the_quota_is_refused_as_too_large():
+    g = ledger(tokens_per_min=100).grant("t", "r", Need(tokens=101), 0.0)
+    assert not g.granted and g.limit == "too_large" and g.retry_after_s == math.inf
+
+
+def test_concurrency_slots_are_granted_and_returned():
+    led = ledger(max_concurrent=2)
+    assert led.grant("t", "r1", Need(slots=1, extra_slots=5), 0.0).slots == 2
+    refused = led.grant("t", "r2", Need(slots=1), 0.0)
+    assert not refused.granted and refused.limit == "concurrency"
+    led.settle("t", "r1", 0, 0, 1, 0.0)
+    assert led.grant("t", "r2", Need(slots=1), 0.0).slots == 1
+
+
+def test_slots_of_a_router_that_stopped_syncing_come_back():
+    led = QuotaLedger({"t": Quota(max_concurrent=1)}, now=0.0, holder_ttl_s=30)
+    assert led.grant("t", "dead", Need(slots=1), 0.0).granted
+    assert not led.grant("t", "live", Need(slots=1), 10.0).granted
+    assert led.grant("t", "live", Need(slots=1), 31.0).granted
+
+
+def book(**quota) -> LeaseBook:
+    return LeaseBook({"t": Quota(**quota)}, lease_fraction=0.1)
+
+
+def test_lease_book_asks_for_shortfall_plus_a_chunk():
+    b = book(requests_per_min=600, tokens_per_min=10_000, max_concurrent=20)
+    need = b.try_charge("t", 250)
+    assert need == Need(requests=1, tokens=250, slots=1, extra_requests=60, extra_tokens=1000, extra_slots=1)
+
+
+def test_lease_book_spends_locally_after_a_grant():
+    led = ledger(requests_per_min=600, tokens_per_min=10_000)
+    b = book(requests_per_min=600, tokens_per_min=10_000)
+    need = b.try_charge("t", 250)
+    assert b.add("t", led.grant("t", "r", need, 0.0), 0.0) is None
+    charges = [b.try_charge("t", 250) for _ in range(5)]
+    assert all(isinstance(c, Charge) for c in charges)  # 1250 tokens granted: five fit, no ledger call
+    assert isinstance(b.try_charge("t", 250), Need)
+
+
+def test_reconciliation_refunds_unused_tokens():
+    b = book(tokens_per_min=10_000)
+    b.add("t", Grant(0, 1000, 0, 0.0), 0.0)
+    c = b.try_charge("t", 800)
+    assert b.lease("t").tokens == 200
+    b.finish(c, used_tokens=300)  # the request stopped early
+    assert b.lease("t").tokens == 700
+
+
+def test_surplus_goes_back_and_keeps_one_chunk_of_slots():
+    b = book(tokens_per_min=10_000, max_concurrent=20)
+    b.add("t", Grant(0, 900, 6, 0.0), 0.0)
+    req, tok, slots = b.surplus("t")
+    assert (req, tok, slots) == (0, 900, 4)
+    assert b.lease("t").tokens == 0 and b.lease("t").slots_free == 2
+
+
+def test_denied_grant_reports_retry_after_and_remaining():
+    b = book(tokens_per_min=600)
+    d = b.add("t", Grant(0, 0, 0, 12.5, "tokens", remaining_requests=math.inf, remaining_tokens=40), 0.0)
+    assert d.retry_after_s == 12.5 and d.limit == "tokens" and d.remaining_tokens == 40
+
+
+def test_honest_retry_after_end_to_end_with_fake_clock():
+    """A denial's retry-after is long enough: charging again at exactly that time succeeds."""
+    led = ledger(tokens_per_min=1200)
+    b = book(tokens_per_min=1200)
+    now = 0.0
+
+    def charge(tokens):
+        r = b.try_charge("t", tokens)
+        if isinstance(r, Charge):
+            return r
+        return b.add("t", led.grant("t", "r", r, now), now) or b.try_charge("t", tokens)
+
+    assert isinstance(charge(1000), Charge)
+    denied = charge(1000)
+    assert not isinstance(denied, Charge)
+    now += denied.retry_after_s
+    assert isinstance(charge(1000), Charge)
+
+
+def test_unlimited_tenant_never_needs_the_ledger():
+    b = LeaseBook({"t": Quota()}, 0.1)
+    assert isinstance(b.try_charge("t", 10**6), Charge)

@@ -1,0 +1,59 @@
+"""Routing policy: priority clamping, pool choice and the borrow decision, as tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from pools.types import PriorityClass as P
+from router.policy import BorrowRule, PolicyError, PoolLoad, borrow_decision, choose_pool, resolve_priority
+
+
+@pytest.mark.parametrize("default, ceiling, asked, expected", [
+    (P.STANDARD, P.STANDARD, None, P.STANDARD),
+    (P.STANDARD, P.STANDARD, "interactive", P.STANDARD),  # clamped to the ceiling
+    (P.STANDARD, P.INTERACTIVE, "interactive", P.INTERACTIVE),
+    (P.STANDARD, P.INTERACTIVE, "batch", P.BATCH),  # asking for less is always allowed
+    (P.BATCH, P.STANDARD, "INTERACTIVE", P.STANDARD),
+    (P.INTERACTIVE, P.INTERACTIVE, "", P.INTERACTIVE),
+])
+def test_resolve_priority(default, ceiling, asked, expected):
+    assert resolve_priority(default, ceiling, asked) == expected
+
+
+@pytest.mark.parametrize("asked", ["urgent", "borrowed"])
+def test_bad_priority_names_the_header(asked):
+    with pytest.raises(PolicyError) as e:
+        resolve_priority(P.STANDARD, P.STANDARD, asked)
+    assert e.value.status == 400 and "x-poolserve-priority" in e.value.message
+
+
+@pytest.mark.parametrize("path_pool, allowed, expected", [
+    (None, ("a", "b"), "b"),  # the tenant's home pool
+    ("a", ("a", "b"), "a"),
+    ("c", ("a",), 404),
+    ("b", ("a",), 403),
+])
+def test_choose_pool(path_pool, allowed, expected):
+    if isinstance(expected, int):
+        with pytest.raises(PolicyError) as e:
+            choose_pool(path_pool, allowed, home="b" if "b" in allowed else "a", known=("a", "b"))
+        assert e.value.status == expected
+    else:
+        assert choose_pool(path_pool, allowed, home="b", known=("a", "b")) == expected
+
+
+RULE = BorrowRule(into="online", max_share=0.25, while_below_utilisation=0.5)
+
+
+@pytest.mark.parametrize("home, target, expected, why", [
+    (PoolLoad(16, 16), PoolLoad(16, 0), True, "home saturated"),
+    (PoolLoad(16, 4), PoolLoad(16, 0), False, "home pool has room"),
+    (PoolLoad(16, 2, cluster_load=20), PoolLoad(16, 0), True, "home saturated"),  # other routers filled it
+    (PoolLoad(16, 20), PoolLoad(16, 8), False, "utilisation 0.50"),  # chat came back
+    (PoolLoad(16, 20), PoolLoad(16, 0, borrowed_inflight=4), False, "borrowed share at its cap"),
+    (PoolLoad(16, 20), PoolLoad(16, 0, borrowed_inflight=3), True, "home saturated"),
+    (PoolLoad(16, 20), PoolLoad(16, 1, queued=2), False, "target pool is queueing"),
+], ids=["idle-target", "home-room", "cluster-full", "chat-back", "share-cap", "under-cap", "target-queue"])
+def test_borrow_decision(home, target, expected, why):
+    ok, reason = borrow_decision(home, target, RULE)
+    assert ok is expected and why in reason
