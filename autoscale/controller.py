@@ -61,6 +61,7 @@ class PoolView:
     active: int
     queued: int
     fresh: bool
+    calibrating: bool = False  # pinned for a sweep: no borrowing into or out of it
 
 
 @dataclass
@@ -192,7 +193,7 @@ class Controller:
             replicas = max(1, len(fresh))
             seqs = target if target is not None else self.allowed(name).low
             out[name] = PoolView(name, len(fresh), seqs * replicas, sum(s.gate.active for s in fresh),
-                                 sum(s.gate.queued for s in fresh), bool(fresh))
+                                 sum(s.gate.queued for s in fresh), bool(fresh), self._pools[name].calibrating)
         return out
 
     def replica_stats(self, name: str) -> list[ReplicaStats]:

@@ -8,7 +8,8 @@ inside the measurement window count.
 
 Per request (all times in seconds, measured at the client):
     TTFT = first content token received - request sent
-    E2E  = last byte received - request sent
+    E2E  = last content token received - request sent (as vLLM's bench: the closing usage
+           chunk and [DONE] are not counted); for a whole response, the response received
     TPOT = (E2E - TTFT) / (output tokens - 1)        (undefined for one output token)
 Summary:
     req/s          = completed requests / measurement window
@@ -181,9 +182,10 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
                 if data.get("usage"):
                     res.prompt_tokens = data["usage"]["prompt_tokens"]
                     res.output_tokens = data["usage"]["completion_tokens"]
-                if res.ttft is None and _has_token(data):
-                    res.ttft = time.monotonic() - res.start
-        res.e2e = time.monotonic() - res.start
+                if _has_token(data):
+                    res.e2e = time.monotonic() - res.start
+                    if res.ttft is None:
+                        res.ttft = res.e2e
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
@@ -259,6 +261,48 @@ async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window
     return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), "closed", concurrency)
 
 
+async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Lengths, warmup_s: float,
+                                  check_s: float, min_s: float, cap_s: float, tolerance: float = 0.1,
+                                  seed: int = 0) -> "Run":
+    """A closed loop that runs past its warm-up until output throughput is steady: the last
+    two `check_s` chunks within `tolerance` of each other, at least `min_s` measured, and at
+    most `cap_s` (then `Run.steady` is False)."""
+    rng = random.Random(seed)
+    results: list[Result] = []
+    stop = asyncio.Event()
+    t0 = time.monotonic()
+    start = t0 + warmup_s
+
+    async def worker(client):
+        while not stop.is_set():
+            p, o = lengths.sample(rng)
+            results.append(await send(client, target, make_prompt(p, rng), o))
+
+    def rate(a: float, b: float) -> float:
+        return sum(r.output_tokens for r in results if r.ok and r.e2e and a <= r.start + r.e2e < b) / (b - a)
+
+    steady = False
+    async with _client(concurrency) as client:
+        with LoopLag() as lag:
+            workers = [asyncio.get_running_loop().create_task(worker(client)) for _ in range(concurrency)]
+            await asyncio.sleep(warmup_s)
+            chunks: list[float] = []
+            while time.monotonic() - start < cap_s:
+                await asyncio.sleep(check_s)
+                now = time.monotonic()
+                chunks.append(rate(now - check_s, now))
+                if now - start >= min_s and len(chunks) >= 2 and chunks[-2] > 0 \
+                        and abs(chunks[-1] - chunks[-2]) / chunks[-2] <= tolerance:
+                    steady = True
+                    break
+            end = time.monotonic()
+            stop.set()
+            await asyncio.gather(*workers)
+    run = Run(results, start, end - start, lag.summary(), "closed", concurrency)
+    run.steady = steady
+    return run
+
+
 async def open_loop(target: Target, lengths: Lengths, window: Window, rate: float | None = None,
                     speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000) -> "Run":
     """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times."""
@@ -294,19 +338,29 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
 
 @dataclass
 class Run:
+    """Latencies count the requests that started in the measurement window; throughput
+    counts the requests that completed in it (so the tail still running at the end of a
+    closed loop is not credited to the window)."""
+
     results: list[Result]
     measure_from: float
     measure_s: float
     loop_lag: dict
     mode: str
     load: float
+    steady: bool = True
 
     def measured(self) -> list[Result]:
         end = self.measure_from + self.measure_s
         return [r for r in self.results if self.measure_from <= r.start < end]
 
+    def completed_in_window(self) -> list[Result]:
+        end = self.measure_from + self.measure_s
+        return [r for r in self.results if r.ok and r.e2e is not None and self.measure_from <= r.start + r.e2e < end]
+
     def summary(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "Summary":
-        return summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag)
+        return summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag,
+                         self.completed_in_window())
 
 
 @dataclass
@@ -338,18 +392,22 @@ def _pcts(xs: list[float]) -> dict:
 
 
 def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None = None,
-              tpot_slo_s: float | None = None, loop_lag: dict | None = None) -> Summary:
+              tpot_slo_s: float | None = None, loop_lag: dict | None = None,
+              completed: list[Result] | None = None) -> Summary:
+    """`results`: the requests whose latencies count; `completed`: those whose tokens count
+    towards throughput (default: the successful ones among `results`)."""
     ok = [r for r in results if r.ok]
+    done = ok if completed is None else completed
     n = max(1, len(results))
     good = None
     if ttft_slo_s is not None and tpot_slo_s is not None:
-        good = sum(1 for r in ok if r.ttft is not None and r.ttft <= ttft_slo_s
+        good = sum(1 for r in done if r.ttft is not None and r.ttft <= ttft_slo_s
                    and (r.tpot is None or r.tpot <= tpot_slo_s)) / duration_s
     return Summary(
         requests=len(results), completed=len(ok), duration_s=duration_s,
-        req_per_s=len(ok) / duration_s,
-        input_tok_per_s=sum(r.prompt_tokens for r in ok) / duration_s,
-        output_tok_per_s=sum(r.output_tokens for r in ok) / duration_s,
+        req_per_s=len(done) / duration_s,
+        input_tok_per_s=sum(r.prompt_tokens for r in done) / duration_s,
+        output_tok_per_s=sum(r.output_tokens for r in done) / duration_s,
         goodput_req_per_s=good,
         error_rate=sum(1 for r in results if not r.ok and r.status != 429) / n,
         rejection_rate=sum(1 for r in results if r.status == 429) / n,
@@ -379,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--warmup", type=float, default=5)
     p.add_argument("--duration", type=float, default=30)
+    p.add_argument("--requests", type=int, help="closed loop: stop after sending this many")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--header", action="append", default=[], help="extra header NAME:VALUE")
     p.add_argument("--ttft-slo-ms", type=float)
@@ -391,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     target = Target(a.url, a.key, chat=a.chat, headers=headers, stream=not a.no_stream)
     window = Window(a.warmup, a.duration)
     if a.concurrency:
-        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed))
+        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed, max_requests=a.requests))
     else:
         run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
                                     seed=a.seed))

@@ -153,24 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.set_defaults(fn=_cmd_serve)
 
-    for register in _extensions():
+    from deployments import batch_cli, calibrate_cli
+
+    for register in (calibrate_cli.register, batch_cli.register):
         register(sub)
     args = parser.parse_args(argv)
     return args.fn(args)
-
-
-def _extensions():
-    """Sub-commands that live with their feature (calibrate, batch, k8s)."""
-    out = []
-    for module in ("deployments.calibrate_cli", "deployments.batch_cli", "deployments.k8s"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        out.append(mod.register)
-    return out
 
 
 if __name__ == "__main__":

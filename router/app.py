@@ -453,10 +453,13 @@ class Router:
 
     def _choose(self, pool: str, call: PoolCall) -> tuple[str, bool]:
         rule = self._routes[pool].borrow
-        if rule is None or call.priority == PriorityClass.INTERACTIVE:
+        if rule is None or call.priority == PriorityClass.INTERACTIVE or self._calibrating(pool, rule.into):
             return pool, False
         ok, _why = borrow_decision(self._load(pool), self._load(rule.into), rule)
         return (rule.into, True) if ok else (pool, False)
+
+    def _calibrating(self, *pools: str) -> bool:
+        return any(getattr(self._views.get(p), "calibrating", False) for p in pools)
 
     def _load(self, pool: str) -> PoolLoad:
         view = self._views.get(pool)

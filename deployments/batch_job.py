@@ -1,0 +1,290 @@
+"""The batch job: an OpenAI Batch input file in, one result line per input out, nothing lost.
+
+Runs as a Ray job on the cluster (`poolserve batch submit`, `ray job submit`, or a KubeRay
+RayJob) and sends every request through the router, under the tenant's key, to the
+offline pool:
+
+    python -m deployments.batch_job --input in.jsonl --output out.jsonl \
+        --url http://127.0.0.1:8000 --pool offline        # key in POOLSERVE_KEY or --key-file
+
+* Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+  "body"}. Invalid lines and duplicate custom_ids are reported up front with their line
+  numbers, and the job refuses the file (unless --skip-invalid).
+* Output lines: {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null,
+  "error": {"code", "message"} | null}, appended one whole line per write; a partial last
+  line left by a crash is cut off at the next start, so it never counts.
+* Resumable: a rerun with the same output skips the custom_ids already written.
+* 429 and 503 are retried after `Retry-After` (plus jitter), with exponential back-off
+  when there is none, capped; other failures become error lines and the job goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+RETRY_STATUSES = {429, 503}
+
+
+# -- parsing and validation (pure) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchRequest:
+    line: int
+    custom_id: str
+    endpoint: str  # "chat/completions" | "completions"
+    body: dict
+
+
+@dataclass(frozen=True)
+class LineProblem:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
+    try:
+        item = json.loads(text)
+    except ValueError as e:
+        return LineProblem(number, f"not valid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(item, dict):
+        return LineProblem(number, "must be a JSON object with custom_id, method, url and body")
+    cid = item.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return LineProblem(number, "custom_id must be a non-empty string")
+    if item.get("method", "POST") != "POST":
+        return LineProblem(number, f"method {item.get('method')!r}: only POST is supported")
+    url = item.get("url")
+    if url not in ENDPOINTS:
+        return LineProblem(number, f"url {url!r}: use one of {sorted(ENDPOINTS)}")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        return LineProblem(number, "body must be a JSON object (the request body)")
+    return BatchRequest(number, cid, ENDPOINTS[url], body)
+
+
+def read_input(lines: list[str]) -> tuple[list[BatchRequest], list[LineProblem]]:
+    """Every valid request, and every problem (bad lines, duplicate ids) with line numbers."""
+    requests, problems, seen = [], [], {}
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        parsed = parse_line(number, text)
+        if isinstance(parsed, LineProblem):
+            problems.append(parsed)
+        elif parsed.custom_id in seen:
+            problems.append(LineProblem(number, f"duplicate custom_id {parsed.custom_id!r} (first on line "
+                                                f"{seen[parsed.custom_id]})"))
+        else:
+            seen[parsed.custom_id] = number
+            requests.append(parsed)
+    return requests, problems
+
+
+def completed_ids(path: Path) -> set[str]:
+    """custom_ids already written; a trailing partial line (a crash mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        data = data[:keep]
+    done = set()
+    for line in data.decode().splitlines():
+        if line.strip():
+            done.add(json.loads(line)["custom_id"])
+    return done
+
+
+def result_line(custom_id: str, status: int | None, body: Any, request_id: str | None,
+                error: dict | None = None) -> str:
+    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
+    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
+                       "error": error}) + "\n"
+
+
+# -- retries (pure, clock and randomness injected) -------------------------------------------
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 8
+    base_s: float = 1.0
+    cap_s: float = 60.0
+    jitter: float = 0.25  # up to +25%: clients told the same Retry-After do not return together
+
+    def delay(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
+        """Seconds to wait before attempt `attempt + 1` (attempt counts from 1)."""
+        base = retry_after_s if retry_after_s is not None else self.base_s * 2 ** (attempt - 1)
+        return min(self.cap_s, base * (1 + self.jitter * rng.random()))
+
+
+def retry_after_of(headers) -> float | None:
+    value = headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+# -- the job ------------------------------------------------------------------------------
+
+@dataclass
+class Progress:
+    total: int
+    skipped: int = 0
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        finished = self.done + self.failed
+        left = self.total - self.skipped - finished
+        rate = finished / elapsed
+        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
+        return (f"progress: {finished + self.skipped}/{self.total} (done {self.done}, failed {self.failed}, "
+                f"skipped {self.skipped}, retried {self.retried}) {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
+
+
+class Writer:
+    """Appends whole lines with one write each (O_APPEND): never half a line that counts."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, line: str) -> None:
+        os.write(self._fd, line.encode())
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+
+async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryPolicy, rng: random.Random,
+                  progress: Progress, sleep: Callable = asyncio.sleep) -> str:
+    import httpx
+
+    url = f"{base}/{req.endpoint}"
+    headers = {"Authorization": f"Bearer {key}", "x-request-id": f"{req.custom_id}"}
+    for attempt in range(1, policy.max_attempts + 1):
+        try:
+            r = await client.post(url, json={**req.body, "stream": False}, headers=headers)
+        except httpx.HTTPError as e:
+            status, body, wait = None, None, None
+            error = {"code": "connection_error", "message": f"{type(e).__name__}: {e}"}
+        else:
+            status, wait, error = r.status_code, retry_after_of(r.headers), None
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"error": {"message": r.text[:500], "type": "server_error"}}
+            if status not in RETRY_STATUSES:
+                if status == 200:
+                    progress.done += 1
+                    progress.tokens += (body.get("usage") or {}).get("total_tokens", 0)
+                else:
+                    progress.failed += 1
+                return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
+        if attempt == policy.max_attempts:
+            break
+        progress.retried += 1
+        await sleep(policy.delay(attempt, wait, rng))
+    progress.failed += 1
+    if status is not None:
+        return result_line(req.custom_id, status, body, None)
+    return result_line(req.custom_id, None, None, None, error)
+
+
+async def run(requests: list[BatchRequest], output: Path, base: str, key: str, concurrency: int,
+              policy: RetryPolicy, progress_every_s: float = 10.0, seed: int = 0) -> Progress:
+    import httpx
+
+    done_ids = completed_ids(output)
+    todo = [r for r in requests if r.custom_id not in done_ids]
+    progress = Progress(total=len(requests), skipped=len(requests) - len(todo))
+    print(f"batch: {len(requests)} requests, {progress.skipped} already in {output}, {len(todo)} to send "
+          f"to {base} with concurrency {concurrency}", flush=True)
+    writer = Writer(output)
+    rng = random.Random(seed)
+    queue: asyncio.Queue[BatchRequest] = asyncio.Queue()
+    for r in todo:
+        queue.put_nowait(r)
+
+    async def worker(client):
+        while not queue.empty():
+            req = queue.get_nowait()
+            writer.write(await run_one(client, base, key, req, policy, rng, progress))
+
+    async def report():
+        while True:
+            await asyncio.sleep(progress_every_s)
+            print(progress.line(), flush=True)
+
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), limits=limits) as client:
+        reporter = asyncio.get_running_loop().create_task(report())
+        try:
+            await asyncio.gather(*(worker(client) for _ in range(min(concurrency, max(1, len(todo))))))
+        finally:
+            reporter.cancel()
+            writer.close()
+    print(progress.line(), flush=True)
+    return progress
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deployments.batch_job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
+    p.add_argument("--pool", default="offline", help="route prefix of the pool ('' for the tenant's default)")
+    p.add_argument("--key-file", help="file with the tenant key (default: $POOLSERVE_KEY)")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-attempts", type=int, default=8)
+    p.add_argument("--retry-cap", type=float, default=60.0)
+    p.add_argument("--skip-invalid", action="store_true", help="send the valid lines of a file with problems")
+    p.add_argument("--progress-every", type=float, default=10.0)
+    a = p.parse_args(argv)
+    key = Path(a.key_file).read_text().strip() if a.key_file else os.environ.get("POOLSERVE_KEY", "")
+    if not key:
+        print("batch: no tenant key: set POOLSERVE_KEY or pass --key-file", file=sys.stderr)
+        return 2
+    requests, problems = read_input(Path(a.input).read_text().splitlines())
+    if problems:
+        print(f"batch: {a.input} has {len(problems)} problem(s):", file=sys.stderr)
+        for prob in problems:
+            print(f"  {prob}", file=sys.stderr)
+        if not a.skip_invalid:
+            print("batch: nothing sent; fix the lines above or pass --skip-invalid", file=sys.stderr)
+            return 2
+    # `ray job stop` sends SIGTERM: stop at once; every line already written stays valid.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    base = f"{a.url.rstrip('/')}/{a.pool.strip('/')}/v1" if a.pool else f"{a.url.rstrip('/')}/v1"
+    progress = asyncio.run(run(requests, Path(a.output), base, key, a.concurrency,
+                               RetryPolicy(a.max_attempts, cap_s=a.retry_cap), a.progress_every))
+    summary = {"total": progress.total, "done": progress.done, "failed": progress.failed,
+               "skipped": progress.skipped, "retried": progress.retried, "output": a.output}
+    print("batch summary: " + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

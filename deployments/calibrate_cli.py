@@ -1,0 +1,191 @@
+"""`poolserve calibrate`: sweep a running pool's limit up a ladder and write its profile.
+
+The stack must be running (`make serve`). For each step the pool is pinned through the
+admin API (calibration mode: any step up to the engine's max_num_seqs; the autoscaler and
+borrowing leave a calibrating pool alone), a closed loop of exactly that many streams
+runs with trace-shaped lengths until output throughput is steady (or a time cap), and KV
+usage and preemptions are sampled from the replicas' reports. Then the knee finder picks
+the safe range, and the profile YAML, a PNG and a markdown table are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from autoscale.calibrate import build_profile, markdown_table, plot, sweep
+from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, dump_profile,
+                               load_profile)
+from bench.loadgen import Target, closed_loop_until_steady, synthetic_lengths, trace_lengths
+
+
+class AdminClient:
+    def __init__(self, base_url: str, admin_key: str) -> None:
+        self._base, self._headers = base_url, {"Authorization": f"Bearer {admin_key}"}
+
+    def call(self, method: str, path: str, **kw):
+        r = httpx.request(method, f"{self._base}{path}", headers=self._headers, timeout=30, **kw)
+        if r.status_code >= 400:
+            raise SystemExit(f"{method} {path}: {r.status_code} {r.text}")
+        return r.json()
+
+    def pin(self, pool: str, seqs: int) -> None:
+        self.call("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs, "calibrating": True})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reps = self.call("GET", "/admin/pools")[pool]["replicas"]
+            if reps and all(r["limits"]["max_active_seqs"] == seqs for r in reps):
+                return
+            time.sleep(0.3)
+        raise SystemExit(f"pool {pool} did not apply max_active_seqs={seqs} within 30s")
+
+
+class EngineSampler:
+    """Samples the pool's replicas once a second: peak KV usage, preemptions during a step."""
+
+    def __init__(self, admin: AdminClient, pool: str) -> None:
+        self._admin, self._pool = admin, pool
+        self.kv_max, self._stop = 0.0, threading.Event()
+        self._pre0 = self._preemptions()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _replicas(self):
+        return self._admin.call("GET", "/admin/pools")[self._pool]["replicas"]
+
+    def _preemptions(self) -> int:
+        return sum(r["engine"]["preemptions"] for r in self._replicas())
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.kv_max = max([self.kv_max] + [r["engine"]["kv_usage"] for r in self._replicas()])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.preemptions = self._preemptions() - self._pre0
+
+
+def _pct(d: dict) -> Percentiles:
+    return Percentiles(p50=d["p50"] or 0.0, p95=d["p95"] or 0.0, p99=d["p99"] or 0.0)
+
+
+def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec, seqs: int) -> LadderRow:
+    with EngineSampler(admin, args.pool) as sampler:
+        run = asyncio.run(closed_loop_until_steady(target, seqs, lengths, args.warmup, args.check, args.min_measure,
+                                                   args.cap, seed=args.seed))
+    s = run.summary(slo.ttft_p99_ms / 1e3, slo.tpot_p99_ms / 1e3)
+    errors = round(s.error_rate * s.requests)
+    return LadderRow(
+        max_active_seqs=seqs, requests=s.requests, duration_s=round(s.duration_s, 2), steady=run.steady,
+        req_per_s=s.req_per_s, input_tok_per_s=s.input_tok_per_s, output_tok_per_s=s.output_tok_per_s,
+        goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
+        e2e_ms=_pct(s.e2e_ms), kv_usage_max=sampler.kv_max, preemptions=sampler.preemptions, errors=errors,
+        rejections=round(s.rejection_rate * s.requests),
+    )
+
+
+def _write(profile, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    dump_profile(profile, out / f"{profile.pool}.yaml")
+    table = markdown_table(profile)
+    (out / f"{profile.pool}.md").write_text(f"# Calibration of {profile.pool}\n\n![sweep]({profile.pool}.png)\n\n{table}")
+    plot(profile, str(out / f"{profile.pool}.png"))
+    print("\n" + table)
+    print(f"wrote {out / (profile.pool + '.yaml')}, .md and .png; CUDA graphs: {profile.cudagraph.note}")
+
+
+def _rule(args) -> KneeRule:
+    return KneeRule(min_gain_pct=args.min_gain, max_p99_growth_pct=args.max_growth,
+                    max_growth_per_gain=args.max_growth_per_gain, kv_watermark=args.kv_watermark,
+                    headroom_steps=args.headroom_steps)
+
+
+def _cmd_rerank(args) -> int:
+    """Apply another knee rule to a profile's measured rows, without measuring again."""
+    old = load_profile(args.from_rows)
+    profile = build_profile(old.pool, old.rows, old.fingerprint, old.slo, old.traffic, _rule(args),
+                            old.cudagraph.captured, old.created_at)
+    _write(profile, Path(args.out))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    from deployments.cli import load_or_report
+
+    if args.from_rows:
+        return _cmd_rerank(args)
+    if not args.config or not args.pool:
+        raise SystemExit("calibrate needs --config and --pool (or --from-rows PROFILE)")
+    resolved = load_or_report(args.config)
+    if resolved is None:
+        return 1
+    if args.pool not in resolved.pools:
+        raise SystemExit(f"--pool {args.pool!r}: pools are {sorted(resolved.pools)}")
+    rp = resolved.pools[args.pool]
+    cfg = resolved.config
+    url = args.url or f"http://{cfg.router.host}:{cfg.router.port}"
+    admin = AdminClient(url, args.admin_key or os.environ.get("POOLSERVE_ADMIN_KEY", ""))
+    key = args.key or os.environ.get("POOLSERVE_KEY", "")
+    ladder = [int(x) for x in args.ladder.split(",")]
+    if ladder != sorted(set(ladder)) or ladder[-1] > rp.config.engine.max_num_seqs:
+        raise SystemExit(f"--ladder {args.ladder}: ascending steps up to max_num_seqs "
+                         f"{rp.config.engine.max_num_seqs}")
+    if args.lengths == "trace":
+        lengths = trace_lengths(cfg.model.max_model_len)
+    else:
+        p, o = (int(x) for x in args.lengths.split("/"))
+        lengths = synthetic_lengths(p, o)
+    slo = SLOSpec(ttft_p99_ms=rp.config.slo.ttft_p99_ms, tpot_p99_ms=rp.config.slo.tpot_p99_ms)
+    rule = _rule(args)
+    described = admin.call("GET", f"/admin/pools/{args.pool}/describe")
+    prefix = rp.config.route_prefix
+    target = Target(f"{url}{prefix}/v1", key, model=cfg.model.id)
+    print(f"calibrating pool {args.pool} at {url}{prefix} on {described['fingerprint']['hardware']}, "
+          f"ladder {ladder}, lengths {lengths.source}", flush=True)
+    try:
+        rows = sweep(ladder, lambda seqs: admin.pin(args.pool, seqs),
+                     lambda seqs: measure_step(args, admin, target, lengths, slo, seqs),
+                     lambda line: print(line, flush=True))
+    finally:
+        admin.call("DELETE", f"/admin/pools/{args.pool}/limits")
+    stats = lengths.stats()
+    traffic = TrafficSpec(source=lengths.source, scale=lengths.scale, seed=args.seed, **stats)
+    profile = build_profile(args.pool, rows, Fingerprint(**described["fingerprint"]), slo, traffic, rule,
+                            described["cudagraph_capture_sizes"], time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _write(profile, Path(args.out))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="sweep a running pool's limit and write its safe-range profile")
+    p.add_argument("--config")
+    p.add_argument("--pool")
+    p.add_argument("--ladder", default="1,2,4,8,16,32")
+    p.add_argument("--url", help="the running router (default: the config's host and port)")
+    p.add_argument("--key", help="a tenant key allowed on the pool (or POOLSERVE_KEY)")
+    p.add_argument("--admin-key", help="the admin key (or POOLSERVE_ADMIN_KEY)")
+    p.add_argument("--lengths", default="trace", help="'trace' (Azure 2023, scaled) or PROMPT/OUTPUT tokens")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of warm-up per step")
+    p.add_argument("--check", type=float, default=5.0, help="seconds per steadiness check")
+    p.add_argument("--min-measure", type=float, default=15.0, help="seconds measured at least")
+    p.add_argument("--cap", type=float, default=45.0, help="seconds measured at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-gain", type=float, default=KneeRule().min_gain_pct)
+    p.add_argument("--max-growth", type=float, default=KneeRule().max_p99_growth_pct)
+    p.add_argument("--max-growth-per-gain", type=float, default=KneeRule().max_growth_per_gain)
+    p.add_argument("--kv-watermark", type=float, default=KneeRule().kv_watermark)
+    p.add_argument("--headroom-steps", type=int, default=0)
+    p.add_argument("--out", default="deployments/configs/profiles")
+    p.add_argument("--from-rows", metavar="PROFILE", help="re-pick the range of a written profile under the rule "
+                                                         "given here (no new measurement); --config/--pool unused")
+    p.set_defaults(fn=_cmd_calibrate)

@@ -1,0 +1,186 @@
+"""decide(): the decision table, a long square wave, fail-static and dry-run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autoscale.config import AutoscaleConfig
+from autoscale.controller import Controller, PoolSpec
+from autoscale.policy import PolicyConfig, PolicyState, PoolSnapshot, decide
+from pools.types import EngineStats, GateStats, LatencySample, ReplicaStats, SafeRange
+
+RANGE = SafeRange(ladder=(1, 2, 4, 8, 16, 32), low=2, high=16, tokens_per_seq=1000, max_inflight_tokens=100_000)
+CFG = PolicyConfig(safe_range=RANGE, ttft_slo_s=1.0, tpot_slo_s=0.1, cooldown_s=30, reversal_cooldown_s=90,
+                   kv_watermark=0.9, headroom=0.7, queue_persist_ticks=2, min_samples=5)
+CALM = PoolSnapshot(fresh=True, replicas=1, ttft_p99_s=0.2, tpot_p99_s=0.02, samples=50, kv_usage=0.1)
+
+
+def snap(**kw) -> PoolSnapshot:
+    return replace(CALM, **kw)
+
+
+NOW = 1000.0
+CASES = [
+    # (name, snapshot, state, expected target, action, code)
+    ("stale stats hold", PoolSnapshot(fresh=False), PolicyState(8), 8, "hold", "stale"),
+    ("calm holds", CALM, PolicyState(8), 8, "hold", "idle"),
+    ("ttft breach steps down", snap(ttft_p99_s=1.5), PolicyState(8), 4, "down", "slo_ttft"),
+    ("tpot breach steps down", snap(tpot_p99_s=0.2), PolicyState(8), 4, "down", "slo_tpot"),
+    ("few samples cannot prove a breach", snap(ttft_p99_s=5, samples=3), PolicyState(8), 8, "hold", "idle"),
+    ("kv above watermark steps down", snap(kv_usage=0.95), PolicyState(8), 4, "down", "kv"),
+    ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
+     "preemption"),
+    ("queue for one tick waits", snap(queued=5), PolicyState(8), 8, "hold", "idle"),
+    ("queue persisting steps up", snap(queued=5), PolicyState(8, queue_ticks=1), 16, "up", "queue"),
+    ("rejections step up", snap(rejected_total=10), PolicyState(8, seen_rejected=4), 16, "up", "rejections"),
+    ("queue but latency in the band holds", snap(queued=5, ttft_p99_s=0.8), PolicyState(8, queue_ticks=3), 8,
+     "hold", "band"),
+    ("top of range holds", snap(queued=5), PolicyState(16, queue_ticks=3), 16, "hold", "range_edge"),
+    ("bottom of range holds", snap(ttft_p99_s=2), PolicyState(2), 2, "hold", "range_edge"),
+    ("cooldown holds", snap(queued=5), PolicyState(8, last_change_at=NOW - 10, last_direction=1, queue_ticks=3), 8,
+     "hold", "cooldown"),
+    ("after cooldown moves", snap(queued=5), PolicyState(8, last_change_at=NOW - 31, last_direction=1, queue_ticks=3),
+     16, "up", "queue"),
+    ("reversal waits longer", snap(ttft_p99_s=2), PolicyState(8, last_change_at=NOW - 60, last_direction=1), 8,
+     "hold", "reversal_cooldown"),
+    ("reversal after its cooldown", snap(ttft_p99_s=2), PolicyState(8, last_change_at=NOW - 91, last_direction=1), 4,
+     "down", "slo_ttft"),
+    ("outside the range is clamped", CALM, PolicyState(32), 16, "clamp", "range"),
+    ("off-ladder target steps to the ladder", snap(queued=5), PolicyState(5, queue_ticks=3), 8, "up", "queue"),
+]
+
+
+@pytest.mark.parametrize("name, snapshot, state, target, action, code", CASES, ids=[c[0] for c in CASES])
+def test_decision_table(name, snapshot, state, target, action, code):
+    new, _, reason = decide(snapshot, state, CFG, NOW)
+    assert (new, reason.action, reason.code) == (target, action, code), reason.text
+
+
+def test_square_wave_over_1000_ticks_respects_cooldown_and_range():
+    """Load flips between a flood and quiet every 20 ticks (5 s each); the limit never leaves
+    the range and changes no more often than the cooldown allows."""
+    tick_s = 5.0
+    state = PolicyState(target=4)
+    targets, change_times, directions = [], [], []
+    for i in range(1000):
+        now = i * tick_s
+        high = (i // 20) % 2 == 0
+        # in a flood the queue persists and, above 8 sequences, TPOT breaks the SLO
+        tpot = 0.15 if (high and state.target >= 16) else 0.03
+        s = snap(queued=50 if high else 0, tpot_p99_s=tpot)
+        new, state, reason = decide(s, state, CFG, now)
+        if new != (targets[-1] if targets else 4):
+            change_times.append(now)
+            directions.append(reason.action)
+        targets.append(new)
+    assert all(RANGE.low <= t <= RANGE.high for t in targets)
+    assert all(t in RANGE.ladder for t in targets)
+    gaps = [b - a for a, b in zip(change_times, change_times[1:])]
+    assert all(g >= CFG.cooldown_s for g in gaps)
+    reversals = [b - a for a, b, d1, d2 in zip(change_times, change_times[1:], directions, directions[1:]) if d1 != d2]
+    assert reversals and all(g >= CFG.reversal_cooldown_s for g in reversals)
+    assert len(change_times) <= 1000 * tick_s / CFG.cooldown_s
+    assert len(change_times) > 10  # it did follow the load
+
+
+def test_stale_stats_hold_forever():
+    state = PolicyState(target=8, queue_ticks=5)
+    for i in range(100):
+        new, state, reason = decide(PoolSnapshot(fresh=False), state, CFG, NOW + i * 5)
+        assert new == 8 and reason.code == "stale"
+
+
+# -- the controller around it ------------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stats(pool="p", replica="r1", seqs=8, queued=0, ttft=(0.1,) * 20, tpot=(0.01,) * 20, stale=False):
+    gate = GateStats(active=seqs, inflight_tokens=0, queued_by_class={"batch": queued}, queued_tokens=queued * 100,
+                     oldest_wait_s=0, limits=RANGE.limits_for(seqs), admitted=0, rejected=0, cancelled=0,
+                     evicted=0, completed=0)
+    return ReplicaStats(pool=pool, replica=replica, time=0, gate=gate, engine=EngineStats(),
+                        latency=LatencySample(ttft, tpot), safe_range=RANGE, profile_stale=stale,
+                        stale_reason="hardware differs" if stale else "")
+
+
+def controller(**config) -> tuple[Controller, Clock]:
+    clock = Clock()
+    cfg = AutoscaleConfig(interval_s=5, cooldown_s=30, reversal_cooldown_s=90, queue_persist_ticks=2, **config)
+    return Controller({"p": PoolSpec("p", RANGE, 1.0, 0.1, 32)}, cfg, clock, wall_clock=clock), clock
+
+
+def test_controller_adopts_reported_limits_and_steps_up_under_a_queue():
+    c, clock = controller()
+    assert c.report(stats(seqs=4)).limits.max_active_seqs == 4  # adopted, not reset
+    for _ in range(3):
+        clock.t += 5
+        c.report(stats(seqs=4, queued=20))
+        c.tick()
+    assert c.target("p") == 8
+    assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 8
+    assert [d.new for d in c.decisions() if d.old != d.new] == [8]
+
+
+def test_controller_restart_resumes_from_reports():
+    c, clock = controller()
+    c.report(stats(seqs=16))
+    fresh, _ = controller()  # a new controller: no state
+    assert fresh.report(stats(seqs=16)).limits.max_active_seqs == 16
+
+
+def test_missing_reports_hold():
+    c, clock = controller()
+    c.report(stats(seqs=8, queued=50))
+    clock.t += 60  # reports stop arriving
+    for _ in range(10):
+        clock.t += 5
+        decisions = c.tick()
+    assert c.target("p") == 8 and decisions[-1].code == "stale"
+
+
+def test_dry_run_decides_but_never_applies():
+    c, clock = controller(dry_run=True)
+    c.report(stats(seqs=4))
+    for _ in range(20):
+        clock.t += 5
+        c.report(stats(seqs=4, queued=20))
+        c.tick()
+    assert c.target("p") == 4
+    wanted = [d for d in c.decisions() if d.action == "up"]
+    assert wanted and not any(d.applied for d in wanted)
+    assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 4
+
+
+def test_stale_profile_pins_the_pool_to_its_bottom_step():
+    c, clock = controller()
+    d = c.report(stats(seqs=8, stale=True))
+    assert d.allowed.high == d.allowed.low == 2
+    for _ in range(5):
+        clock.t += 5
+        c.report(stats(seqs=2, queued=50, stale=True))
+        c.tick()
+    assert c.target("p") == 2 and "hardware differs" in c.stale_reason("p")
+
+
+def test_pin_and_unpin():
+    c, clock = controller()
+    c.report(stats(seqs=8))
+    with pytest.raises(ValueError, match=r"\[2, 16\]"):
+        c.pin("p", 32)
+    d = c.pin("p", 32, calibrating=True)
+    assert d.limits.max_active_seqs == 32 and c.views()["p"].calibrating
+    clock.t += 5
+    assert c.tick() == []  # a pinned pool is not decided
+    c.unpin("p")
+    clock.t += 5
+    c.report(stats(seqs=32))
+    c.tick()
+    assert c.target("p") == 16  # clamped back into the safe range

@@ -1,0 +1,134 @@
+"""The batch job's pure parts: parsing, validation, resume bookkeeping, retry timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from deployments.batch_job import (BatchRequest, LineProblem, Progress, RetryPolicy, completed_ids, parse_line,
+                                   read_input, result_line, retry_after_of, run_one)
+
+
+def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url,
+                       "body": body if body is not None else {"messages": [{"role": "user", "content": "x"}]},
+                       **extra})
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{not json", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    (line(cid=""), "custom_id must be a non-empty string"),
+    (line(cid=7), "custom_id must be a non-empty string"),
+    (line(url="/v1/embeddings"), "url '/v1/embeddings'"),
+    (line(body="hello"), "body must be a JSON object"),
+    (line(method="GET"), "only POST"),
+])
+def test_bad_lines_are_named(text, fragment):
+    p = parse_line(3, text)
+    assert isinstance(p, LineProblem) and p.line == 3 and fragment in p.message
+
+
+def test_good_lines_parse():
+    r = parse_line(1, line(cid="x1", url="/v1/completions", body={"prompt": "p"}))
+    assert r == BatchRequest(1, "x1", "completions", {"prompt": "p"})
+
+
+def test_read_input_reports_every_problem_with_line_numbers():
+    lines = [line("a"), "oops", "", line("b"), line("a")]
+    requests, problems = read_input(lines)
+    assert [r.custom_id for r in requests] == ["a", "b"]
+    assert [str(p) for p in problems] == [
+        "line 2: not valid JSON (Expecting value at column 1)",
+        "line 5: duplicate custom_id 'a' (first on line 1)",
+    ]
+
+
+def test_resume_skips_written_ids_and_cuts_a_partial_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(result_line("a", 200, {}, None) + result_line("b", 400, {}, None) + '{"id": "batch_req_x", "cus')
+    assert completed_ids(out) == {"a", "b"}
+    assert out.read_text().endswith("\n") and len(out.read_text().splitlines()) == 2
+    assert completed_ids(tmp_path / "missing.jsonl") == set()
+
+
+def test_result_line_format():
+    ok = json.loads(result_line("a", 200, {"usage": {}}, "req-1"))
+    assert ok["custom_id"] == "a" and ok["response"] == {"status_code": 200, "request_id": "req-1", "body": {"usage": {}}}
+    assert ok["error"] is None and ok["id"].startswith("batch_req_")
+    failed = json.loads(result_line("b", None, None, None, {"code": "connection_error", "message": "refused"}))
+    assert failed["response"] is None and failed["error"]["code"] == "connection_error"
+
+
+class FixedRandom(random.Random):
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+@pytest.mark.parametrize("attempt, retry_after, rnd, expected", [
+    (1, 7.0, 0.0, 7.0),  # honours Retry-After exactly at no jitter
+    (1, 7.0, 1.0, 8.75),  # plus at most 25%
+    (1, None, 0.0, 1.0),  # back-off without a header: 1, 2, 4, ...
+    (4, None, 0.0, 8.0),
+    (10, None, 0.0, 60.0),  # capped
+    (1, 300.0, 0.0, 60.0),
+])
+def test_retry_delay(attempt, retry_after, rnd, expected):
+    assert RetryPolicy().delay(attempt, retry_after, FixedRandom(rnd)) == pytest.approx(expected)
+
+
+def test_retry_after_header_parsing():
+    assert retry_after_of({"retry-after": "3"}) == 3.0
+    assert retry_after_of({"retry-after": "soon"}) is None
+    assert retry_after_of({}) is None
+
+
+def _run(responses: list[httpx.Response], policy=RetryPolicy(max_attempts=4)):
+    """run_one against a fake transport; sleeps recorded instead of slept (a fake clock)."""
+    calls, slept = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        return responses[len(calls) - 1]
+
+    async def fake_sleep(s):
+        slept.append(s)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            progress = Progress(total=1)
+            text = await run_one(client, "http://r/offline/v1", "k", BatchRequest(1, "c1", "completions",
+                                                                                  {"prompt": "p", "stream": True}),
+                                 policy, FixedRandom(0.0), progress, sleep=fake_sleep)
+            return json.loads(text), progress
+
+    out, progress = asyncio.run(go())
+    return out, progress, calls, slept
+
+
+def test_429_then_success_waits_retry_after():
+    ok = httpx.Response(200, json={"usage": {"total_tokens": 9}}, headers={"x-request-id": "r1"})
+    out, progress, calls, slept = _run([httpx.Response(429, headers={"retry-after": "2"}, json={}), ok])
+    assert out["response"]["status_code"] == 200 and slept == [2.0]
+    assert progress.done == 1 and progress.retried == 1 and progress.tokens == 9
+    assert calls[0]["stream"] is False  # a batch job never streams
+
+
+def test_400_is_an_error_line_without_retry():
+    out, progress, calls, slept = _run([httpx.Response(400, json={"error": {"message": "bad"}})])
+    assert out["response"]["status_code"] == 400 and slept == [] and progress.failed == 1 and len(calls) == 1
+
+
+def test_503_forever_gives_up_after_max_attempts():
+    busy = [httpx.Response(503, json={"error": {}}) for _ in range(4)]
+    out, progress, calls, slept = _run(busy)
+    assert len(calls) == 4 and slept == [1.0, 2.0, 4.0] and out["response"]["status_code"] == 503
+    assert progress.failed == 1 and progress.retried == 3

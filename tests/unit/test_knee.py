@@ -1,0 +1,114 @@
+"""The knee finder, as a table of ladders."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoscale.calibrate import build_profile, cudagraph_check, markdown_table, sweep
+from autoscale.knee import find_knee
+from autoscale.profile import (Fingerprint, KneeRule, LadderRow, LengthStats, Percentiles, SLOSpec, TrafficSpec,
+                               dump_profile, load_profile)
+
+SLO = SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100)
+RULE = KneeRule()
+
+
+def row(seqs, tok_s, ttft_p99, tpot_p99=20.0, kv=0.1, errors=0, requests=200) -> LadderRow:
+    return LadderRow(max_active_seqs=seqs, requests=requests, duration_s=30, steady=True, req_per_s=requests / 30,
+                     input_tok_per_s=tok_s * 4, output_tok_per_s=tok_s, goodput_req_per_s=requests / 30,
+                     ttft_ms=Percentiles(p50=ttft_p99 / 2, p95=ttft_p99 * 0.9, p99=ttft_p99),
+                     tpot_ms=Percentiles(p50=tpot_p99 / 2, p95=tpot_p99 * 0.9, p99=tpot_p99),
+                     e2e_ms=Percentiles(p50=1, p95=2, p99=3), kv_usage_max=kv, preemptions=0, errors=errors,
+                     rejections=0)
+
+
+def ladder(*points) -> list[LadderRow]:
+    return [row(*p) for p in points]
+
+
+CASES = [
+    ("clean knee",  # +4% throughput for +40%+ P99 at 32: knee at 32, range up to 16
+     ladder((4, 1000, 100), (8, 1900, 110), (16, 3400, 140), (32, 3500, 260), (64, 3520, 700)),
+     32, (4, 16), True, "knee at 32"),
+    ("noisy plateau",  # small ups and downs of throughput while the tail climbs
+     ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60), (8, 1130, 95), (16, 1110, 160), (32, 1150, 400)),
+     8, (1, 4), True, "knee at 8"),
+    ("tenth more throughput for a multiplied tail",  # gain 10% >= g but growth 200% > 4 x gain
+     ladder((4, 1000, 100), (8, 1800, 120), (16, 1980, 360)),
+     16, (4, 8), True, "knee at 16"),
+    ("SLO hit before the knee",
+     ladder((4, 1000, 300), (8, 1900, 400), (16, 3400, 1200), (32, 3500, 2000)),
+     32, (4, 8), True, "16 is unsafe: P99 TTFT 1200 ms > SLO 1000 ms"),
+    ("TPOT SLO hit",
+     ladder((4, 1000, 100, 40), (8, 1900, 110, 80), (16, 3400, 130, 140)),
+     None, (4, 8), True, "P99 TPOT 140.0 ms > SLO 100.0 ms"),
+    ("KV watermark hit first",
+     ladder((4, 1000, 100, 20, 0.3), (8, 1900, 110, 20, 0.6), (16, 3400, 130, 20, 0.95), (32, 3500, 300, 20, 1.0)),
+     32, (4, 8), True, "KV usage 95% > watermark 90%"),
+    ("errors",
+     ladder((4, 1000, 100), (8, 1900, 110, 20, 0.1, 50)),
+     None, (4, 4), True, "error rate"),
+    ("no knee within the ladder",
+     ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60), (8, 2100, 70)),
+     None, (1, 8), True, "no knee within the ladder; the range is the whole ladder"),
+    ("a single step",
+     ladder((8, 2000, 100)),
+     None, (8, 8), True, "a single step (8)"),
+    ("even the lowest step is unsafe",
+     ladder((1, 300, 1500), (2, 500, 2500)),
+     None, (1, 1), False, "even the lowest step (1) is unsafe"),
+]
+
+
+@pytest.mark.parametrize("name, rows, knee, rng, feasible, reason", CASES, ids=[c[0] for c in CASES])
+def test_knee_table(name, rows, knee, rng, feasible, reason):
+    r = find_knee(rows, SLO, RULE)
+    assert (r.knee, (r.low, r.high), r.feasible) == (knee, rng, feasible), r.reason
+    assert reason in r.reason
+
+
+def test_headroom_steps_lower_the_top():
+    rows = ladder((4, 1000, 100), (8, 1900, 110), (16, 3400, 140), (32, 3500, 260))
+    r = find_knee(rows, SLO, KneeRule(headroom_steps=1))
+    assert (r.low, r.high) == (4, 8) and "headroom" in r.reason
+
+
+def test_ladder_must_ascend():
+    with pytest.raises(ValueError, match="ascend"):
+        find_knee(ladder((8, 1, 1), (4, 2, 2)), SLO, RULE)
+
+
+@pytest.mark.parametrize("captured, missed, fragment", [
+    ((), (), "no CUDA graphs"),
+    ((1, 2, 4, 8, 16, 24, 32), (), "every ladder point"),
+    ((1, 2, 4, 8, 16), (32, 64), "[32, 64] miss"),
+])
+def test_cudagraph_check(captured, missed, fragment):
+    c = cudagraph_check([4, 8, 16, 32, 64] if missed else [4, 8, 16], captured)
+    assert c.missed == missed and fragment in c.note
+
+
+FP = Fingerprint(model="m", dtype="float32", quantization="none", max_model_len=2048, hardware="cpu:x", vllm_version="0.29.0",
+                 max_num_seqs=32, max_num_batched_tokens=2048, kv_cache_gb=1.0)
+TRAFFIC = TrafficSpec(source="t", scale=0.24, seed=0, prompt_tokens=LengthStats(p50=1, p90=2, p99=3),
+                      output_tokens=LengthStats(p50=1, p90=2, p99=3), total_tokens=LengthStats(p50=2, p90=4, p99=6))
+
+
+def test_sweep_profile_roundtrip(tmp_path):
+    figures = {4: (1000, 100), 8: (1900, 110), 16: (3400, 140), 32: (3500, 260)}
+    applied = []
+    rows = sweep(list(figures), applied.append, lambda s: row(s, *figures[s]), progress=lambda _: None)
+    assert applied == [4, 8, 16, 32]
+    profile = build_profile("online-chat", rows, FP, SLO, TRAFFIC, RULE, [], "2026-11-30T00:00:00")
+    assert profile.range == (4, 16) and profile.knee == 32 and profile.ladder == (4, 8, 16, 32)
+    dump_profile(profile, tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == profile
+    table = markdown_table(profile)
+    assert "| 32 |" in table and "knee" in table and "Safe range [4, 16]" in table
+
+
+def test_fingerprint_differences_name_the_field():
+    other = FP.model_copy(update={"hardware": "gpu:H100", "vllm_version": "0.32.0"})
+    diffs = FP.differences(other)
+    assert diffs == ["hardware: profile 'cpu:x' vs running 'gpu:H100'",
+                     "vllm_version: profile '0.29.0' vs running '0.32.0'"]
