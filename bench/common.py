@@ -125,4 +125,22 @@ def deploy(config: dict, name: str = "poolserve", route_prefix: str = "/") -> St
     serve.run(build_app(resolved), name=name, route_prefix=route_prefix)
     stack = Stack("http://127.0.0.1:8000", resolved)
     stack.wait(lambda: all(v["replicas"] for v in stack.admin("GET", "/admin/pools").json().values()), 60)
+    warm_up(stack)
     return stack
+
+
+def warm_up(stack: Stack, requests: int = 8) -> None:
+    """A few requests through the router into every pool before anything is measured."""
+    import httpx
+
+    from deployments.config import sha256_hex
+
+    by_hash = {sha256_hex(k): k for k in KEYS.values()}
+    for name, rp in stack.resolved.pools.items():
+        tenant = next((t for t in stack.resolved.config.tenants if name in t.pools and t.key_sha256 in by_hash), None)
+        if tenant is None:
+            continue
+        url = f"{stack.base_url}{rp.config.route_prefix}/v1/chat/completions"
+        for i in range(requests):
+            httpx.post(url, headers={"Authorization": f"Bearer {by_hash[tenant.key_sha256]}"}, timeout=120,
+                       json={"messages": [{"role": "user", "content": "warm up " * (1 + 16 * i)}], "max_tokens": 8})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from bench.common import KEYS, deploy, local_config, ray_cluster, variant, write_result
+from deployments.config import sha256_hex
 from bench.loadgen import Target, Window, closed_loop, summarize, synthetic_lengths
 
 CONCURRENCY = 8
@@ -56,13 +57,12 @@ async def _rounds(router: Target, direct: Target) -> dict:
 
 def main() -> None:
     config = variant(local_config(), **{"pools.offline-batch": None, "tenants": [
-        {"name": "bench", "key_sha256": _sha("sk-bench"), "pools": ["online-chat"]}]})
-    config["router"]["admin_key_sha256"] = _sha("poolserve-admin-dev")
+        {"name": "bench", "key_sha256": sha256_hex(KEYS["chat"]), "pools": ["online-chat"]}]})
     with ray_cluster():
         stack = deploy(config)
         _deploy_direct(stack)
         stack.pin("online-chat", 16)
-        router = Target("http://127.0.0.1:8000/online/v1", "sk-bench")
+        router = Target("http://127.0.0.1:8000/online/v1", KEYS["chat"])
         direct = Target("http://127.0.0.1:8000/direct/v1", "unused")
         asyncio.run(closed_loop(direct, CONCURRENCY, LENGTHS, Window(0, 10)))  # warm the direct engine
         runs = asyncio.run(_rounds(router, direct))
@@ -80,12 +80,6 @@ def main() -> None:
     }
     result["met"] = {"added_ttft_p50": added["ttft_p50_ms"] <= 5, "req_per_s_ratio": result["req_per_s_ratio"] >= 0.9}
     write_result("overhead", result)
-
-
-def _sha(key: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 if __name__ == "__main__":

@@ -135,6 +135,7 @@ class Router:
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
         self._quota = QuotaClient(ledger, quotas, settings.router.lease_fraction, settings.router.lease_ttl_s)
         self._counter = counter or PromptCounter(settings.model_source)
+        self._counter.tokenizer  # load it now: a first request must not pay for it
         self._metrics = RouterMetrics()
         self._views: dict[str, Any] = {}
         self._own = {p: 0 for p in self._routes}

@@ -1,0 +1,97 @@
+"""Autoscaler benchmark: one load step (low, high, low) on the online pool, run three ways
+in one go: autoscaled, static at the safe range's low end, static at its high end.
+
+Online chat arrives as Poisson streams with the trace's lengths, from its own process, one
+process per phase. The autoscaler runs with a benchmark cadence (2 s ticks, 10 s cooldown,
+stated in the result) so that it can act within a phase. Per phase and way: goodput under
+the pool's SLO and P99 TTFT, plus the limits the pool ran at.
+
+    python -m bench.autoscale       # about 5 minutes; writes bench/results/autoscale.json
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, variant, write_result
+
+POOL = "online-chat"
+PHASES = (("low", 1.0, 20), ("high", 5.0, 40), ("low-again", 1.0, 20))  # (name, req/s, seconds)
+AUTOSCALE = {"interval_s": 2, "report_interval_s": 0.5, "cooldown_s": 10, "reversal_cooldown_s": 20,
+             "stats_max_age_s": 5, "latency_window_s": 10}
+
+
+def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
+         "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
+         "--ttft-slo-ms", str(slo.ttft_p99_ms), "--tpot-slo-ms", str(slo.tpot_p99_ms)],
+        cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _limits_while(stack, stop: threading.Event, trace: list) -> None:
+    while not stop.is_set():
+        try:
+            reps = stack.admin("GET", "/admin/pools").json()[POOL]["replicas"]
+            trace.append(reps[0]["limits"]["max_active_seqs"])
+        except Exception:  # a missed sample is not a result
+            pass
+        stop.wait(1.0)
+
+
+def _idle(stack) -> bool:
+    reps = stack.admin("GET", "/admin/pools").json()[POOL]["replicas"]
+    return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0 for r in reps)
+
+
+def _way(stack, name: str, seqs: int | None, low: int, slo) -> dict:
+    stack.wait(lambda: _idle(stack), 300)  # nothing left over from the way before
+    # every way starts from the bottom of the range; static ways stay pinned
+    stack.pin(POOL, seqs if seqs is not None else low, calibrating=False)
+    if seqs is None:
+        stack.admin("DELETE", f"/admin/pools/{POOL}/limits")
+    phases = {}
+    for i, (phase, rate, seconds) in enumerate(PHASES):
+        stop, trace = threading.Event(), []
+        sampler = threading.Thread(target=_limits_while, args=(stack, stop, trace))
+        sampler.start()
+        r = _phase(rate, seconds, slo, seed=i)
+        stop.set()
+        sampler.join()
+        phases[phase] = {"rate_req_s": rate, "seconds": seconds, "goodput_req_s": r["goodput_req_per_s"],
+                         "ttft_p99_ms": r["ttft_ms"]["p99"], "ttft_p50_ms": r["ttft_ms"]["p50"],
+                         "tpot_p99_ms": r["tpot_ms"]["p99"], "completed": r["completed"], "requests": r["requests"],
+                         "limit_min": min(trace, default=None), "limit_max": max(trace, default=None)}
+        print(f"{name:12} {phase:10} goodput {r['goodput_req_per_s']:.2f} req/s, P99 TTFT "
+              f"{r['ttft_ms']['p99']:.0f} ms, limit {phases[phase]['limit_min']}..{phases[phase]['limit_max']}",
+              flush=True)
+    stack.admin("DELETE", f"/admin/pools/{POOL}/limits")
+    return phases
+
+
+def main() -> None:
+    config = variant(local_config(), **{f"autoscale.{k}": v for k, v in AUTOSCALE.items()})
+    with ray_cluster():
+        stack = deploy(config)
+        rp = stack.resolved.pools[POOL]
+        low, high, slo = rp.safe_range.low, rp.safe_range.high, rp.config.slo
+        ways = {"autoscaled": _way(stack, "autoscaled", None, low, slo),
+                f"static-low-{low}": _way(stack, "static-low", low, low, slo),
+                f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
+        decisions = [d for d in stack.admin("GET", "/admin/decisions?limit=500").json()
+                     if d["pool"] == POOL and d["old"] != d["new"]]
+    write_result("autoscale", {
+        "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES],
+                  "slo": slo.model_dump(), "autoscale": AUTOSCALE, "lengths": "azure 2023 trace, scaled"},
+        "ways": ways,
+        "autoscaler_moves": [{k: d[k] for k in ("old", "new", "action", "code", "reason")} for d in decisions],
+    })
+
+
+if __name__ == "__main__":
+    main()
