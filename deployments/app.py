@@ -18,7 +18,6 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application
 
-from autoscale.config import AutoscaleConfig
 from autoscale.controller import ControllerService, PoolSpec
 from deployments.config import Resolved, ResolvedPool, load, parse, resolve
 from pools.config import PoolConfig
@@ -49,7 +48,7 @@ def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str =
     """The ray.serve.llm LLMConfig of one pool: its engine ceilings and placement."""
     from ray.serve.llm import LLMConfig
 
-    m, e, r = resolved.config.model, rp.config.engine, rp.config.replicas
+    m, e = resolved.config.model, rp.config.engine
     engine_kwargs = {
         "dtype": m.dtype, "max_model_len": m.max_model_len, "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens, "enable_chunked_prefill": e.enable_chunked_prefill,
@@ -64,7 +63,7 @@ def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str =
     return LLMConfig(
         model_loading_config={"model_id": m.id, "model_source": resolved.model_source},
         engine_kwargs=engine_kwargs,
-        accelerator_config={"kind": "gpu" if r.num_gpus > 0 else "cpu"},
+        accelerator_config={"kind": e.accelerator},
         runtime_env={"env_vars": env} if env else None,
         deployment_config=pool_serve_options(rp),
         log_engine_metrics=True,
@@ -191,7 +190,3 @@ def app_builder(args: dict[str, Any]) -> Application:
         return build_app(load(args["config_path"]))
     config = parse(args["config"], "serveConfigV2 args.config")
     return build_app(resolve(config, Path(args.get("base_dir", ".")), "serveConfigV2 args.config"))
-
-
-def autoscale_config(resolved: Resolved) -> AutoscaleConfig:
-    return resolved.config.autoscale

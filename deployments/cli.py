@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     p.set_defaults(fn=_cmd_serve)
 
-    from deployments import batch_cli, calibrate_cli
+    from deployments import batch_cli, calibrate_cli, k8s
 
-    for register in (calibrate_cli.register, batch_cli.register):
+    for register in (calibrate_cli.register, batch_cli.register, k8s.register):
         register(sub)
     args = parser.parse_args(argv)
     return args.fn(args)

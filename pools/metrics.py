@@ -163,8 +163,9 @@ class RouterMetrics:
         self._m["quota_rejections"].inc(1, {"tenant": tenant, "limit": limit})
 
     def tokens(self, tenant: str, pool: str, prompt: int, completion: int) -> None:
-        self._m["tenant_tokens"].inc(prompt, {"tenant": tenant, "pool": pool, "kind": "prompt"})
-        self._m["tenant_tokens"].inc(completion, {"tenant": tenant, "pool": pool, "kind": "completion"})
+        for kind, n in (("prompt", prompt), ("completion", completion)):
+            if n > 0:  # Ray's Counter.inc refuses 0
+                self._m["tenant_tokens"].inc(n, {"tenant": tenant, "pool": pool, "kind": kind})
 
     def remaining(self, tenant: str, requests: float, tokens: float) -> None:
         if requests != float("inf"):

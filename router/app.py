@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pools.logs import configure_logging
 from pools.metrics import RouterMetrics
-from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected
+from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected, Usage
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient, QuotaExceeded
@@ -83,25 +83,26 @@ class _Flight:
     borrowed: bool
     charge: Charge
     started: float
-    usage_tokens: int | None = None
+    usage: Usage | None = None  # the engine's, when the request ran to its end
+    never_ran: bool = False  # refused by a gate or the engine: refund the whole charge
     status: int = 200
     closed: bool = False
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.router._inflight_done(self.pool, self.borrowed)
-        self.router._quota.finish(self.charge, self.usage_tokens)
+        used = 0 if self.never_ran else (self.usage.total_tokens if self.usage else None)
+        self.router._quota.finish(self.charge, used)
         m = self.router._metrics
         m.request(self.pool, self.tenant.name, self.status)
-        if self.usage_tokens is not None:
-            m.tokens(self.tenant.name, self.pool, self.prompt_tokens, self.completion_tokens)
+        u = self.usage or Usage(0, 0)
+        if self.usage is not None:
+            m.tokens(self.tenant.name, self.pool, u.prompt_tokens, u.completion_tokens)
         log.info("tenant=%s pool=%s borrowed=%s status=%d prompt_tokens=%d completion_tokens=%d ms=%.0f",
-                 self.tenant.name, self.pool, self.borrowed, self.status, self.prompt_tokens,
-                 self.completion_tokens, (time.monotonic() - self.started) * 1e3)
+                 self.tenant.name, self.pool, self.borrowed, self.status, u.prompt_tokens, u.completion_tokens,
+                 (time.monotonic() - self.started) * 1e3)
 
 
 def _sha256(text: str) -> str:
@@ -259,7 +260,7 @@ class Router:
 
     async def _dispatch(self, tenant: TenantConfig, pool: str, call: PoolCall, charge: Charge) -> Response:
         target, borrowed = self._choose(pool, call)
-        flight = _Flight(self, tenant, target, borrowed, charge, time.monotonic(), prompt_tokens=call.prompt_tokens)
+        flight = _Flight(self, tenant, target, borrowed, charge, time.monotonic())
         self._inflight_start(target, borrowed)
         gen = None
         try:
@@ -272,7 +273,7 @@ class Router:
                 gen = self._start(pool, call, False)
                 admitted = await gen.__anext__()
             if isinstance(admitted, Rejected):
-                flight.usage_tokens = 0  # it never ran: refund the whole charge
+                flight.never_ran = True
                 raise ApiError(admitted.status, admitted.reason, admitted.message, retry_after_s=admitted.retry_after_s)
             if flight.borrowed:
                 self._metrics.borrowed(pool, target, tenant.name)
@@ -478,7 +479,7 @@ class Router:
         if err is not None and hasattr(err, "message"):
             status = int(getattr(err, "code", 400) or 400)
             status = status if 400 <= status < 600 else 400
-            flight.usage_tokens = 0
+            flight.never_ran = True
             raise ApiError(status, str(getattr(err, "type", "invalid_request")), err.message)
 
     def _headers(self, flight: _Flight, call: PoolCall, admitted: Admitted) -> dict[str, str]:
@@ -534,9 +535,7 @@ class Router:
             flight.close()
 
     def _settle_usage(self, flight: _Flight, fin: Finished) -> None:
-        if fin.usage is not None:
-            flight.usage_tokens = fin.usage.total_tokens
-            flight.prompt_tokens, flight.completion_tokens = fin.usage.prompt_tokens, fin.usage.completion_tokens
+        flight.usage = fin.usage
 
     # -- bookkeeping ------------------------------------------------------------------
 
@@ -551,7 +550,8 @@ class Router:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_views())
 
     async def _refresh_views(self) -> None:
-        """Pool capacity and queues from the controller; the last view stays if it is away."""
+        """Pool capacity and queues from the controller (the last view stays if it is away),
+        and the quota gauges re-exported: Ray drops a gauge that is not refreshed."""
         while True:
             try:
                 self._views = await asyncio.wait_for(self._controller.views.remote(), timeout=5)
@@ -559,6 +559,8 @@ class Router:
                 raise
             except Exception as e:
                 log.debug("controller views unavailable: %r", e)
+            for t in self._tenants:
+                self._metrics.remaining(t.name, *self._quota.remaining(t.name))
             await asyncio.sleep(self._s.router.pool_view_interval_s)
 
     def _known(self, pool: str) -> str:

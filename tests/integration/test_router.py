@@ -136,7 +136,7 @@ def _offline(stack, max_tokens=64, stream=False) -> tuple[str, bool]:
 
 
 def test_borrowing_while_online_idle_and_stopping_when_chat_arrives(stack):
-    with stack.pinned("offline-batch", 8), stack.pinned("online-chat", 8):
+    with stack.pinned("offline-batch", 8, calibrating=False), stack.pinned("online-chat", 8, calibrating=False):
         stack.wait_idle("online-chat")
         with ThreadPoolExecutor(max_workers=32) as ex:
             idle_phase = list(ex.map(lambda _: _offline(stack), range(32)))

@@ -1,0 +1,296 @@
+"""`poolserve k8s render CONFIG`: the KubeRay manifests and the Grafana dashboard, generated
+from the same config file the local run uses.
+
+    k8s/rayservice.yaml        RayService: CPU-only head (num-cpus 0), one GPU worker group per
+                               pool offering a custom resource (pool-<name>) that only that pool's
+                               replicas request, in-tree autoscaling; serveConfigV2 embeds the config
+    k8s/rayjob-batch.yaml      RayJob: a batch file from a volume through the router, on its own
+                               small CPU cluster, the tenant key from a Secret
+    k8s/podmonitor.yaml        Prometheus Operator PodMonitor for Ray's metrics port
+    k8s/secret-example.yaml    the keys clients (the batch job) use; the config holds only hashes
+    k8s/batch-pvc.yaml         the volume batch files are read from and written to
+    k8s/kustomization.yaml     all of the above, and the dashboard as a ConfigMap
+    k8s/dashboards/poolserve.json
+
+The committed files are this command's output; a test fails when they drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+APP_IMPORT_PATH = "deployments.app:app_builder"
+IMAGE_HOME = "/home/ray/poolserve"
+METRICS_PORT = 8080
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    name: str = "poolserve"
+    image: str = "ghcr.io/poolserve/poolserve:0.1.0-gpu"
+    ray_version: str = "2.60.0"
+    worker_cpu: str = "8"
+    worker_memory: str = "48Gi"
+    gpus_per_worker: int = 1
+
+
+# -- the dashboard ---------------------------------------------------------------------------
+
+PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
+    ("Is chat within its SLO?", [
+        ("P99 time to first token (at the replica)", "s", [
+            ('histogram_quantile(0.99, sum by (le, pool) (rate(ray_poolserve_ttft_seconds_bucket[1m])))', "{{pool}}")]),
+        ("P99 time per output token", "s", [
+            ('histogram_quantile(0.99, sum by (le, pool) (rate(ray_poolserve_tpot_seconds_bucket[1m])))', "{{pool}}")]),
+        ("Requests by status", "reqps", [
+            ('sum by (pool, status) (rate(ray_poolserve_router_requests_total[1m]))', "{{pool}} {{status}}")]),
+    ]),
+    ("How deep are the queues?", [
+        ("Queued requests by priority", "short", [
+            ('sum by (pool, priority) (ray_poolserve_queue_depth)', "{{pool}} {{priority}}")]),
+        ("Queued tokens", "short", [('sum by (pool) (ray_poolserve_queued_tokens)', "{{pool}}")]),
+        ("P99 wait at the gate", "s", [
+            ('histogram_quantile(0.99, sum by (le, pool, priority) (rate(ray_poolserve_queue_wait_seconds_bucket[1m])))',
+             "{{pool}} {{priority}}")]),
+    ]),
+    ("Where are the limits inside their safe range?", [
+        ("Active sequences and limit", "short", [
+            ('sum by (pool) (ray_poolserve_active_seqs)', "{{pool}} active"),
+            ('sum by (pool) (ray_poolserve_limit_max_active_seqs)', "{{pool}} limit"),
+            ('max by (pool) (ray_poolserve_safe_range_low)', "{{pool}} range low"),
+            ('max by (pool) (ray_poolserve_safe_range_high)', "{{pool}} range high")]),
+        ("KV cache usage", "percentunit", [
+            ('max by (pool) (ray_poolserve_kv_usage)', "{{pool}}"),
+            ('max by (model_name) (ray_vllm_kv_cache_usage_perc)', "vLLM {{model_name}}")]),
+        ("Stale calibration profile", "short", [('max by (pool) (ray_poolserve_profile_stale)', "{{pool}}")]),
+    ]),
+    ("Who is being throttled?", [
+        ("Quota refusals by tenant", "reqps", [
+            ('sum by (tenant, limit) (rate(ray_poolserve_quota_rejections_total[5m]))', "{{tenant}} {{limit}}")]),
+        ("Tokens per tenant", "short", [
+            ('sum by (tenant, kind) (rate(ray_poolserve_tenant_tokens_total[1m]))', "{{tenant}} {{kind}}")]),
+        ("Quota left this minute (tokens)", "short", [
+            ('min by (tenant) (ray_poolserve_quota_remaining_tokens)', "{{tenant}}")]),
+        ("Gate outcomes", "reqps", [
+            ('sum by (pool) (rate(ray_poolserve_admitted_total[1m]))', "{{pool}} admitted"),
+            ('sum by (pool, reason) (rate(ray_poolserve_rejected_total[1m]))', "{{pool}} rejected {{reason}}"),
+            ('sum by (pool) (rate(ray_poolserve_cancelled_total[1m]))', "{{pool}} cancelled"),
+            ('sum by (pool, into) (rate(ray_poolserve_borrowed_total[1m]))', "{{pool}} borrowed into {{into}}")]),
+    ]),
+    ("Why did the autoscaler move?", [
+        ("Autoscaler decisions by reason", "short", [
+            ('sum by (pool, action, reason) (increase(ray_poolserve_autoscale_decisions_total[5m]))',
+             "{{pool}} {{action}} {{reason}}")]),
+        ("Autoscaler target", "short", [('max by (pool) (ray_poolserve_autoscale_target_seqs)', "{{pool}}")]),
+        ("Engine: running and waiting", "short", [
+            ('sum by (pool) (ray_poolserve_engine_running)', "{{pool}} running"),
+            ('sum by (pool) (ray_poolserve_engine_waiting)', "{{pool}} waiting")]),
+        ("vLLM output tokens/s", "short", [('sum(rate(ray_vllm_generation_tokens_total[1m]))', "all engines")]),
+    ]),
+]
+
+
+def dashboard() -> dict:
+    panels, y, pid = [], 0, 1
+    for row_title, row in PANELS:
+        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y = pid + 1, y + 1
+        width = 24 // len(row)
+        for i, (title, unit, targets) in enumerate(row):
+            panels.append({
+                "id": pid, "type": "timeseries", "title": title,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": width, "x": i * width, "y": y},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+                "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
+                             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                            for j, (expr, legend) in enumerate(targets)],
+            })
+            pid += 1
+        y += 8
+    return {
+        "uid": "poolserve", "title": "poolserve", "tags": ["poolserve", "ray", "vllm"], "schemaVersion": 39,
+        "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
+        "timezone": "browser", "graphTooltip": 1,
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
+                                 "label": "Prometheus"}]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+# -- manifests -----------------------------------------------------------------------------------
+
+def _container(s: RenderSettings, name: str, resources: dict, ports: list[dict]) -> dict:
+    return {"name": name, "image": s.image, "resources": {"limits": resources, "requests": resources},
+            "ports": ports, "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": f"{s.name}-keys", "key": "hf-token", "optional": True}}}]}
+
+
+def rayservice(config: dict, s: RenderSettings) -> dict:
+    serve_config = {"applications": [{
+        "name": s.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH,
+        "args": {"base_dir": f"{IMAGE_HOME}/deployments/configs", "config": config},
+    }]}
+    head_ports = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
+                  {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"},
+                  {"containerPort": METRICS_PORT, "name": "metrics"}]
+    workers = []
+    for pool, p in config["pools"].items():
+        r = p.get("replicas", {})
+        resource = f"pool-{pool}"
+        workers.append({
+            "groupName": pool,
+            "replicas": max(1, r.get("min", 1)), "minReplicas": r.get("min", 1), "maxReplicas": r.get("max", 1),
+            "resources": {resource: "1"},
+            "rayStartParams": {},
+            "template": {"spec": {
+                "containers": [_container(s, "ray-worker", {
+                    "cpu": s.worker_cpu, "memory": s.worker_memory, "nvidia.com/gpu": str(s.gpus_per_worker)},
+                    [{"containerPort": METRICS_PORT, "name": "metrics"}])],
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            }},
+        })
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayService",
+        "metadata": {"name": s.name, "labels": {"app.kubernetes.io/name": s.name}},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False, width=120),
+            "rayClusterConfig": {
+                "rayVersion": s.ray_version,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 600},
+                "headGroupSpec": {
+                    "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+                    "template": {"spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
+                                                                    head_ports)]}},
+                },
+                "workerGroupSpecs": workers,
+            },
+        },
+    }
+
+
+def rayjob(s: RenderSettings) -> dict:
+    entry = (f"python -m deployments.batch_job --input /data/input.jsonl --output /data/output.jsonl "
+             f"--url http://{s.name}-serve-svc:8000 --pool offline --concurrency 256")
+    volume = {"name": "batch-data", "persistentVolumeClaim": {"claimName": f"{s.name}-batch"}}
+    mount = {"name": "batch-data", "mountPath": "/data"}
+    head = _container(s, "ray-head", {"cpu": "2", "memory": "4Gi"}, [{"containerPort": 8265, "name": "dashboard"}])
+    head["env"].append({"name": "POOLSERVE_KEY", "valueFrom": {"secretKeyRef": {
+        "name": f"{s.name}-keys", "key": "batch-team"}}})
+    head["volumeMounts"] = [mount]
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "metadata": {"name": f"{s.name}-batch", "labels": {"app.kubernetes.io/name": s.name}},
+        "spec": {
+            "entrypoint": entry,
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 3600,
+            "backoffLimit": 2,
+            "rayClusterSpec": {
+                "rayVersion": s.ray_version,
+                "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0"},
+                                  "template": {"spec": {"containers": [head], "volumes": [volume]}}},
+            },
+        },
+    }
+
+
+def podmonitor(s: RenderSettings) -> dict:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+        "metadata": {"name": f"{s.name}-ray", "labels": {"app.kubernetes.io/name": s.name}},
+        "spec": {"selector": {"matchLabels": {"ray.io/is-ray-node": "yes"}},
+                 "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]},
+    }
+
+
+def secret_example(s: RenderSettings, config: dict) -> dict:
+    keys = {t["name"]: f"sk-{t['name']}-CHANGE-ME" for t in config["tenants"]}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": f"{s.name}-keys", "labels": {"app.kubernetes.io/name": s.name}},
+            "stringData": {**keys, "hf-token": "hf_CHANGE-ME"}}
+
+
+def batch_pvc(s: RenderSettings) -> dict:
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{s.name}-batch", "labels": {"app.kubernetes.io/name": s.name}},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}}}
+
+
+def kustomization(s: RenderSettings) -> dict:
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": ["secret-example.yaml", "batch-pvc.yaml", "rayservice.yaml", "podmonitor.yaml"],
+            "configMapGenerator": [{"name": f"{s.name}-dashboard", "files": ["dashboards/poolserve.json"],
+                                    "options": {"labels": {"grafana_dashboard": "1"}}}]}
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (serveConfigV2) as readable `|` blocks."""
+
+
+_BlockDumper.add_representer(
+    str, lambda d, v: d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dict[str, str]:
+    """Relative path -> file text, for every generated file. The config is validated first."""
+    from deployments.config import load
+
+    load(config_path)  # refuse to render an invalid config
+    config = yaml.safe_load(Path(config_path).read_text())
+    header = f"# Generated by `poolserve k8s render` from {Path(config_path).name}; do not edit by hand.\n"
+
+    def doc(obj: dict) -> str:
+        return header + yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=120)
+
+    return {
+        "rayservice.yaml": doc(rayservice(config, s)),
+        "rayjob-batch.yaml": doc(rayjob(s)),
+        "podmonitor.yaml": doc(podmonitor(s)),
+        "secret-example.yaml": doc(secret_example(s, config)),
+        "batch-pvc.yaml": doc(batch_pvc(s)),
+        "kustomization.yaml": doc(kustomization(s)),
+        "dashboards/poolserve.json": json.dumps(dashboard(), indent=2) + "\n",
+    }
+
+
+def _cmd_render(a) -> int:
+    s = RenderSettings(name=a.name, image=a.image)
+    files = render(a.config, s)
+    out = Path(a.out)
+    drift = []
+    for rel, text in files.items():
+        path = out / rel
+        if a.check:
+            if not path.exists() or path.read_text() != text:
+                drift.append(rel)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if drift:
+        print(f"k8s manifests differ from `poolserve k8s render`: {', '.join(drift)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("k8s", help="Kubernetes (KubeRay) manifests")
+    ks = p.add_subparsers(dest="k8s_cmd", required=True)
+    r = ks.add_parser("render", help="write the RayService (with serveConfigV2), RayJob, PodMonitor, dashboard")
+    r.add_argument("config")
+    r.add_argument("--out", default="k8s")
+    r.add_argument("--name", default=RenderSettings.name)
+    r.add_argument("--image", default=RenderSettings.image)
+    r.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ")
+    r.set_defaults(fn=_cmd_render)

@@ -1,0 +1,159 @@
+"""The Kubernetes manifests: valid against KubeRay v1.7.0's CRDs, serveConfigV2 parses with our
+own config models, import paths resolve, and the committed files equal `poolserve k8s render`."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from deployments.config import parse, resolve
+from deployments.k8s import render
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+CONFIG = REPO / "deployments" / "configs" / "k8s.yaml"
+CRDS = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+
+
+def strict(schema):
+    """Like `kubectl --validate=strict`: unknown fields are errors wherever the schema lists
+    its properties and does not ask to keep unknown fields."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [strict(x) for x in schema]
+    return schema
+
+
+def crd_schema(kind: str, version: str = "v1") -> dict:
+    crd = yaml.safe_load((REPO / "data" / "kuberay-crds" / CRDS[kind]).read_text())
+    assert crd["spec"]["names"]["kind"] == kind
+    [v] = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return strict(v["schema"]["openAPIV3Schema"])
+
+
+def manifests() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            out.append((path.name, doc))
+    return out
+
+
+KUBERAY = [(name, doc) for name, doc in manifests() if doc.get("apiVersion", "").startswith("ray.io/")]
+
+
+def test_there_is_a_rayservice_and_a_rayjob():
+    assert {doc["kind"] for _, doc in KUBERAY} == {"RayService", "RayJob"}
+
+
+@pytest.mark.parametrize("name, doc", KUBERAY, ids=[n for n, _ in KUBERAY])
+def test_kuberay_manifests_validate_against_the_crds(name, doc):
+    jsonschema.validate(doc, crd_schema(doc["kind"]), cls=jsonschema.Draft7Validator)
+
+
+def test_strict_validation_catches_a_typo():
+    doc = copy.deepcopy(next(d for _, d in KUBERAY if d["kind"] == "RayService"))
+    doc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParms"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="rayStartParms"):
+        jsonschema.validate(doc, crd_schema("RayService"), cls=jsonschema.Draft7Validator)
+
+
+def _service() -> dict:
+    return next(d for _, d in KUBERAY if d["kind"] == "RayService")
+
+
+def test_rayservice_shape():
+    spec = _service()["spec"]["rayClusterConfig"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    config = yaml.safe_load(CONFIG.read_text())
+    assert set(groups) == set(config["pools"])
+    for pool, g in groups.items():
+        assert g["resources"] == {f"pool-{pool}": "1"}  # each pool on its own nodes
+        assert config["pools"][pool]["replicas"]["resources"] == {f"pool-{pool}": 1}
+        [c] = g["template"]["spec"]["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+
+
+def test_serve_config_parses_with_our_models_and_its_import_path_resolves():
+    serve_config = yaml.safe_load(_service()["spec"]["serveConfigV2"])
+    [app] = serve_config["applications"]
+    module, attr = app["import_path"].split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    config = parse(app["args"]["config"], "serveConfigV2")
+    base = app["args"]["base_dir"].replace("/home/ray/poolserve", str(REPO))
+    resolved = resolve(config, Path(base))
+    assert set(resolved.pools) == {"online-chat", "offline-batch"}
+    assert all(rp.config.engine.accelerator == "gpu" for rp in resolved.pools.values())
+
+
+def test_committed_manifests_equal_render_output():
+    files = render(CONFIG)
+    drift = [rel for rel, text in files.items() if (K8S / rel).read_text() != text]
+    assert not drift, f"run `poolserve k8s render {CONFIG.relative_to(REPO)}`: {drift} differ"
+
+
+def test_rayjob_reads_the_key_from_the_secret_and_targets_the_router():
+    job = next(d for _, d in KUBERAY if d["kind"] == "RayJob")
+    assert "deployments.batch_job" in job["spec"]["entrypoint"]
+    assert "http://poolserve-serve-svc:8000" in job["spec"]["entrypoint"]
+    [head] = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in head["env"]}
+    assert env["POOLSERVE_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "poolserve-keys"
+    secret = yaml.safe_load((K8S / "secret-example.yaml").read_text().split("\n", 1)[1])
+    assert env["POOLSERVE_KEY"]["valueFrom"]["secretKeyRef"]["key"] in secret["stringData"]
+
+
+def test_podmonitor_scrapes_the_ray_metrics_port():
+    pm = next(d for _, d in manifests() if d["kind"] == "PodMonitor")
+    port = pm["spec"]["podMetricsEndpoints"][0]["port"]
+    spec = _service()["spec"]["rayClusterConfig"]
+    containers = spec["headGroupSpec"]["template"]["spec"]["containers"] + \
+        [c for g in spec["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]]
+    assert all(any(p["name"] == port and p["containerPort"] == 8080 for p in c["ports"]) for c in containers)
+
+
+def test_kustomization_lists_existing_files():
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    for rel in k["resources"] + k["configMapGenerator"][0]["files"]:
+        assert (K8S / rel).exists(), rel
+
+
+GRAFANA_PANEL = {
+    "type": "object",
+    "required": ["id", "type", "title", "gridPos"],
+    "properties": {
+        "id": {"type": "integer"}, "type": {"enum": ["row", "timeseries", "stat", "gauge", "table"]},
+        "title": {"type": "string", "minLength": 1},
+        "gridPos": {"type": "object", "required": ["h", "w", "x", "y"],
+                    "properties": {k: {"type": "integer", "minimum": 0} for k in "hwxy"}},
+        "targets": {"type": "array", "items": {"type": "object", "required": ["refId", "expr"]}},
+    },
+}
+GRAFANA = {"type": "object", "required": ["uid", "title", "schemaVersion", "panels", "templating"],
+           "properties": {"panels": {"type": "array", "minItems": 1, "items": GRAFANA_PANEL},
+                          "schemaVersion": {"type": "integer", "minimum": 30}}}
+
+
+def test_dashboard_is_valid_grafana_json():
+    board = json.loads((K8S / "dashboards" / "poolserve.json").read_text())
+    jsonschema.validate(board, GRAFANA)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in board["panels"]:
+        assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["targets"] and all(t["expr"] for t in p["targets"])
