@@ -2,9 +2,9 @@
 in one go: autoscaled, static at the safe range's low end, static at its high end.
 
 Online chat arrives as Poisson streams with the trace's lengths, from its own process, one
-process per phase. The autoscaler runs with a benchmark cadence (2 s ticks, 10 s cooldown,
-stated in the result) so that it can act within a phase. Per phase and way: goodput under
-the pool's SLO and P99 TTFT, plus the limits the pool ran at.
+process per phase. Per phase and way: goodput under
+the pool's SLO and P99 TTFT, plus the limits the pool ran at. The autoscaler runs with the
+embedded default's cadence (2 s ticks, 10 s cooldown).
 
     python -m bench.autoscale       # about 5 minutes; writes bench/results/autoscale.json
 """
@@ -17,12 +17,10 @@ import sys
 import threading
 import time
 
-from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, variant, write_result
+from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
 
 POOL = "online-chat"
-PHASES = (("low", 1.0, 20), ("high", 5.0, 40), ("low-again", 1.0, 20))  # (name, req/s, seconds)
-AUTOSCALE = {"interval_s": 2, "report_interval_s": 0.5, "cooldown_s": 10, "reversal_cooldown_s": 20,
-             "stats_max_age_s": 5, "latency_window_s": 10}
+PHASES = (("low", 1.0, 15), ("high", 5.0, 30), ("low-again", 1.0, 15))  # (name, req/s, seconds)
 
 
 def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
@@ -74,24 +72,26 @@ def _way(stack, name: str, seqs: int | None, low: int, slo) -> dict:
     return phases
 
 
-def main() -> None:
-    config = variant(local_config(), **{f"autoscale.{k}": v for k, v in AUTOSCALE.items()})
-    with ray_cluster():
-        stack = deploy(config)
-        rp = stack.resolved.pools[POOL]
-        low, high, slo = rp.safe_range.low, rp.safe_range.high, rp.config.slo
-        ways = {"autoscaled": _way(stack, "autoscaled", None, low, slo),
-                f"static-low-{low}": _way(stack, "static-low", low, low, slo),
-                f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
-        decisions = [d for d in stack.admin("GET", "/admin/decisions?limit=500").json()
-                     if d["pool"] == POOL and d["old"] != d["new"]]
-    write_result("autoscale", {
+def run(stack) -> dict:
+    rp = stack.resolved.pools[POOL]
+    low, high, slo = rp.safe_range.low, rp.safe_range.high, rp.config.slo
+    ways = {"autoscaled": _way(stack, "autoscaled", None, low, slo),
+            f"static-low-{low}": _way(stack, "static-low", low, low, slo),
+            f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
+    decisions = [d for d in stack.admin("GET", "/admin/decisions?limit=500").json()
+                 if d["pool"] == POOL and d["old"] != d["new"]]
+    a = stack.resolved.config.autoscale
+    return {
         "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES],
-                  "slo": slo.model_dump(), "autoscale": AUTOSCALE, "lengths": "azure 2023 trace, scaled"},
+                  "slo": slo.model_dump(), "lengths": "azure 2023 trace, scaled",
+                  "autoscale": {"interval_s": a.interval_s, "cooldown_s": a.cooldown_s,
+                                "reversal_cooldown_s": a.reversal_cooldown_s}},
         "ways": ways,
         "autoscaler_moves": [{k: d[k] for k in ("old", "new", "action", "code", "reason")} for d in decisions],
-    })
+    }
 
 
-if __name__ == "__main__":
-    main()
+def main() -> None:
+    with ray_cluster():
+        result = run(deploy(local_config()))
+    write_result("autoscale", result)

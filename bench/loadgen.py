@@ -123,6 +123,7 @@ class Result:
     error: str = ""
     pool: str = ""
     borrowed: bool = False
+    retry_after: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -143,10 +144,12 @@ class Target:
     chat: bool = False
     headers: tuple[tuple[str, str], ...] = ()
     stream: bool = True  # False: whole responses, as a batch job sends them (no TTFT then)
+    extra_body: str = ""  # JSON object merged into every body, e.g. '{"priority": 0}'
 
 
 async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> Result:
-    body = {"model": target.model, "max_tokens": max_tokens, "stream": target.stream, "ignore_eos": True}
+    body = {"model": target.model, "max_tokens": max_tokens, "stream": target.stream, "ignore_eos": True,
+            **(json.loads(target.extra_body) if target.extra_body else {})}
     if target.stream:
         body["stream_options"] = {"include_usage": True}
     if target.chat:
@@ -162,6 +165,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
             res.status = resp.status_code
             res.pool = resp.headers.get("x-poolserve-pool", "")
             res.borrowed = resp.headers.get("x-poolserve-borrowed") == "true"
+            res.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200 or not target.stream:
                 await resp.aread()
                 if resp.status_code != 200:
@@ -186,6 +190,8 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
                     res.e2e = time.monotonic() - res.start
                     if res.ttft is None:
                         res.ttft = res.e2e
+    except httpx.TimeoutException:
+        res.error = "timeout"
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
@@ -232,16 +238,18 @@ class LoopLag:
         return {"p99_ms": percentile(self.samples, 99) * 1e3, "max_ms": max(self.samples) * 1e3}
 
 
-def _client(outstanding: int) -> httpx.AsyncClient:
+def _client(outstanding: int, timeout_s: float = 600) -> httpx.AsyncClient:
     # A pool larger than what is kept outstanding: requests never wait for a connection here.
     n = outstanding + 32
-    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30),
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30),
                              limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
 
 
 async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window: Window, seed: int = 0,
-                      max_requests: int | None = None) -> "Run":
-    """`concurrency` workers, each sending its next request as soon as the last ends."""
+                      max_requests: int | None = None, abandon: bool = False) -> "Run":
+    """`concurrency` workers, each sending its next request as soon as the last ends. With
+    `abandon`, the requests still running when the window ends are cancelled (the server
+    sees the disconnects) instead of awaited."""
     rng = random.Random(seed)
     results: list[Result] = []
     t0 = time.monotonic()
@@ -257,7 +265,12 @@ async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window
 
     async with _client(concurrency) as client:
         with LoopLag() as lag:
-            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+            workers = [asyncio.get_running_loop().create_task(worker(client)) for _ in range(concurrency)]
+            if abandon:
+                await asyncio.sleep(max(0.0, end - time.monotonic()))
+                for w in workers:
+                    w.cancel()
+            await asyncio.gather(*workers, return_exceptions=abandon)
     return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), "closed", concurrency)
 
 
@@ -304,7 +317,8 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
 
 
 async def open_loop(target: Target, lengths: Lengths, window: Window, rate: float | None = None,
-                    speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000) -> "Run":
+                    speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000,
+                    timeout_s: float = 600) -> "Run":
     """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times."""
     rng = random.Random(seed)
     results: list[Result] = []
@@ -318,7 +332,7 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
     else:
         times = [a / speedup for a in lengths.arrivals if a / speedup < horizon]
     tasks = []
-    async with _client(max_outstanding) as client:
+    async with _client(max_outstanding, timeout_s) as client:
         with LoopLag() as lag:
             for i, at in enumerate(times):
                 delay = t0 + at - time.monotonic()
@@ -331,7 +345,8 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
                 tasks.append(asyncio.get_running_loop().create_task(one()))
             await asyncio.gather(*tasks)
     label = f"poisson {rate}/s" if rate is not None else f"trace x{speedup}"
-    return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), label, len(times))
+    return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), label, len(times),
+               timeout_s=timeout_s)
 
 
 # -- summary -------------------------------------------------------------------------
@@ -349,6 +364,7 @@ class Run:
     mode: str
     load: float
     steady: bool = True
+    timeout_s: float | None = None
 
     def measured(self) -> list[Result]:
         end = self.measure_from + self.measure_s
@@ -360,7 +376,15 @@ class Run:
 
     def summary(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "Summary":
         return summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag,
-                         self.completed_in_window())
+                         self.completed_in_window(), self.timeout_s)
+
+    def split(self, seconds: list[float]) -> list["Run"]:
+        """Consecutive sub-windows of the measurement window, e.g. one per benchmark phase."""
+        out, start = [], self.measure_from
+        for s in seconds:
+            out.append(Run(self.results, start, s, self.loop_lag, self.mode, self.load, self.steady, self.timeout_s))
+            start += s
+        return out
 
 
 @dataclass
@@ -378,6 +402,10 @@ class Summary:
     tpot_ms: dict
     e2e_ms: dict
     borrowed: int
+    timeouts: int = 0
+    ttft_ms_with_timeouts: dict = field(default_factory=dict)
+    statuses: dict = field(default_factory=dict)  # status -> count ("0": no response)
+    rejected_without_retry_after: int = 0
     loop_lag_ms: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -393,7 +421,7 @@ def _pcts(xs: list[float]) -> dict:
 
 def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None = None,
               tpot_slo_s: float | None = None, loop_lag: dict | None = None,
-              completed: list[Result] | None = None) -> Summary:
+              completed: list[Result] | None = None, timeout_s: float | None = None) -> Summary:
     """`results`: the requests whose latencies count; `completed`: those whose tokens count
     towards throughput (default: the successful ones among `results`)."""
     ok = [r for r in results if r.ok]
@@ -415,6 +443,13 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         tpot_ms=_pcts([r.tpot for r in ok if r.tpot is not None]),
         e2e_ms=_pcts([r.e2e for r in ok if r.e2e is not None]),
         borrowed=sum(1 for r in ok if r.borrowed),
+        timeouts=sum(1 for r in results if r.error == "timeout"),
+        statuses={str(k): sum(1 for r in results if r.status == k) for k in sorted({r.status for r in results})},
+        rejected_without_retry_after=sum(1 for r in results if r.status == 429 and not r.retry_after),
+        # a request that timed out before its first token had a TTFT of at least the timeout:
+        # counted at that lower bound, so a tail of timeouts is not hidden
+        ttft_ms_with_timeouts=_pcts([r.ttft for r in ok if r.ttft is not None] + [
+            timeout_s for r in results if r.error == "timeout" and r.ttft is None and timeout_s]),
         loop_lag_ms=loop_lag or {},
     )
 
@@ -443,19 +478,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--tpot-slo-ms", type=float)
     p.add_argument("--out", help="write the JSON result here (default: stdout)")
+    p.add_argument("--body", default="", help="JSON merged into every request body, e.g. '{\"priority\": 0}'")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--split", help="also summarise consecutive sub-windows of the measurement, e.g. 10,40,20")
+    p.add_argument("--timeout", type=float, default=600, help="open loop: seconds a request may take")
+    p.add_argument("--abandon", action="store_true", help="closed loop: cancel what still runs at the end")
     a = p.parse_args(argv)
     lengths = trace_lengths(a.max_model_len) if a.trace else synthetic_lengths(a.prompt, a.output, a.spread,
                                                                                seed=a.seed)
     headers = tuple(tuple(h.split(":", 1)) for h in a.header)
-    target = Target(a.url, a.key, chat=a.chat, headers=headers, stream=not a.no_stream)
+    target = Target(a.url, a.key, model=a.model, chat=a.chat, headers=headers, stream=not a.no_stream,
+                    extra_body=a.body)
     window = Window(a.warmup, a.duration)
     if a.concurrency:
-        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed, max_requests=a.requests))
+        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed, max_requests=a.requests,
+                                      abandon=a.abandon))
     else:
         run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
-                                    seed=a.seed))
+                                    seed=a.seed, timeout_s=a.timeout))
     slo = (a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None, a.tpot_slo_ms / 1e3 if a.tpot_slo_ms else None)
     out = {"mode": run.mode, "load": run.load, "lengths": lengths.source, **run.summary(*slo).to_json()}
+    if a.split:
+        out["windows"] = [w.summary(*slo).to_json() for w in run.split([float(x) for x in a.split.split(",")])]
     text = json.dumps(out, indent=2)
     if a.out:
         Path(a.out).write_text(text + "\n")

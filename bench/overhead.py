@@ -6,20 +6,19 @@ paths are loaded in turn (ABAB...), never together, with the same seeded lengths
 loop of `CONCURRENCY` streams; the gate's limit is pinned above that, so nothing waits in
 it. Added latency = router path - direct path, per percentile, for TTFT and E2E.
 
-    python -m bench.overhead        # about 4 minutes; writes bench/results/overhead.json
+    python -m bench.overhead        # about 3 minutes; writes bench/results/overhead.json
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from bench.common import KEYS, deploy, local_config, ray_cluster, variant, write_result
-from deployments.config import sha256_hex
+from bench.common import KEYS, deploy, local_config, ray_cluster, write_result
 from bench.loadgen import Target, Window, closed_loop, summarize, synthetic_lengths
 
 CONCURRENCY = 8
-ROUNDS = 4
-WINDOW = Window(warmup_s=3, measure_s=15)
+ROUNDS = 3
+WINDOW = Window(warmup_s=2, measure_s=12)
 LENGTHS = synthetic_lengths(prompt=128, output=64)
 
 
@@ -55,17 +54,20 @@ async def _rounds(router: Target, direct: Target) -> dict:
     return runs
 
 
-def main() -> None:
-    config = variant(local_config(), **{"pools.offline-batch": None, "tenants": [
-        {"name": "bench", "key_sha256": sha256_hex(KEYS["chat"]), "pools": ["online-chat"]}]})
-    with ray_cluster():
-        stack = deploy(config)
-        _deploy_direct(stack)
-        stack.pin("online-chat", 16)
-        router = Target("http://127.0.0.1:8000/online/v1", KEYS["chat"])
-        direct = Target("http://127.0.0.1:8000/direct/v1", "unused")
-        asyncio.run(closed_loop(direct, CONCURRENCY, LENGTHS, Window(0, 10)))  # warm the direct engine
+def run(stack) -> dict:
+    """Needs a stack whose online pool is up; deploys the direct app beside it and removes it."""
+    from ray import serve
+
+    _deploy_direct(stack)
+    stack.pin("online-chat", stack.resolved.pools["online-chat"].config.engine.max_num_seqs)
+    router = Target("http://127.0.0.1:8000/online/v1", KEYS["chat"])
+    direct = Target("http://127.0.0.1:8000/direct/v1", "unused")
+    try:
+        asyncio.run(closed_loop(direct, CONCURRENCY, LENGTHS, Window(0, 8)))  # warm the direct engine
         runs = asyncio.run(_rounds(router, direct))
+    finally:
+        stack.admin("DELETE", "/admin/pools/online-chat/limits")
+        serve.delete("direct")
     duration = WINDOW.measure_s * ROUNDS
     summary = {k: summarize(v, duration).to_json() for k, v in runs.items()}
     r, d = summary["router"], summary["direct"]
@@ -79,6 +81,12 @@ def main() -> None:
         "targets": {"added_p50_ms_at_most": 5, "req_per_s_ratio_at_least": 0.9},
     }
     result["met"] = {"added_ttft_p50": added["ttft_p50_ms"] <= 5, "req_per_s_ratio": result["req_per_s_ratio"] >= 0.9}
+    return result
+
+
+def main() -> None:
+    with ray_cluster():
+        result = run(deploy(local_config()))
     write_result("overhead", result)
 
 

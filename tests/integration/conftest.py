@@ -26,6 +26,11 @@ ADMIN = "test-admin"
 pytestmark = pytest.mark.integration
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that kill replicas run after every other test of the session."""
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+
+
 def wait_for(condition, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
     """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout

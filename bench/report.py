@@ -1,0 +1,181 @@
+"""Write docs/benchmarks.md (tables, plots, targets) from bench/results/*.json.
+
+    python -m bench.report
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from bench.common import REPO, RESULTS
+
+DOC = REPO / "docs" / "benchmarks.md"
+IMAGES = REPO / "docs" / "images"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _f(x, digits: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def _yes(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def _machine(d: dict) -> str:
+    m = d["machine"]
+    return (f"Measured {m['when']} on {m['hardware']} ({m['cores']} cores), Python {m['python']}, "
+            f"Ray {m['ray']}, vLLM {m['vllm']}.")
+
+
+def plot_overhead(d: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    metrics = [("ttft", "p50"), ("ttft", "p99"), ("e2e", "p50"), ("e2e", "p99")]
+    labels = [f"{m} {p}" for m, p in metrics]
+    x = range(len(metrics))
+    ax.bar([i - 0.2 for i in x], [d["direct"][f"{m}_ms"][p] for m, p in metrics], 0.4, label="direct (stock ingress)")
+    ax.bar([i + 0.2 for i in x], [d["router"][f"{m}_ms"][p] for m, p in metrics], 0.4, label="through the router")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms")
+    ax.set_title(f"Router overhead (req/s ratio {d['req_per_s_ratio']:.2f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_autoscale(d: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ways = list(d["ways"])
+    phases = list(next(iter(d["ways"].values())))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.8 / len(ways)
+    for k, w in enumerate(ways):
+        xs = [i + (k - (len(ways) - 1) / 2) * width for i in range(len(phases))]
+        a.bar(xs, [d["ways"][w][p]["goodput_req_s"] for p in phases], width, label=w)
+        b.bar(xs, [d["ways"][w][p]["ttft_p99_ms"] for p in phases], width, label=w)
+    for ax, label in ((a, "goodput (req/s within SLO)"), (b, "online P99 TTFT (ms, log)")):
+        ax.set_xticks(range(len(phases)), phases)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    b.set_yscale("log")
+    fig.suptitle("Load step low -> high -> low on the online pool")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def overhead_section(d: dict) -> list[str]:
+    r, dr, a = d["router"], d["direct"], d["added"]
+    return [
+        "## Router overhead (`bench/overhead.py`)", "",
+        f"{d['setup']['concurrency']} concurrent streams, {d['setup']['lengths']} tokens, "
+        f"{d['setup']['rounds']} alternating rounds of {d['setup']['measure_s_per_round']} s per path; the baseline is "
+        f"{d['setup']['baseline']} on the same core. {_machine(d)}", "",
+        "| path | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|---:|",
+        f"| direct | {_f(dr['req_per_s'], 2)} | {_f(dr['ttft_ms']['p50'])} / {_f(dr['ttft_ms']['p99'])} | "
+        f"{_f(dr['e2e_ms']['p50'])} / {_f(dr['e2e_ms']['p99'])} | {_f(dr['tpot_ms']['p50'], 1)} |",
+        f"| router | {_f(r['req_per_s'], 2)} | {_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} | "
+        f"{_f(r['e2e_ms']['p50'])} / {_f(r['e2e_ms']['p99'])} | {_f(r['tpot_ms']['p50'], 1)} |", "",
+        f"Added at p50: TTFT {_f(a['ttft_p50_ms'], 1)} ms, E2E {_f(a['e2e_p50_ms'], 1)} ms; req/s ratio "
+        f"{_f(d['req_per_s_ratio'], 2)}. Targets: at most 5 ms added at p50 ({_yes(d['met']['added_ttft_p50'])}), "
+        f"at least 0.9x the direct req/s ({_yes(d['met']['req_per_s_ratio'])}).", "",
+        "![overhead](images/bench-overhead.png)", "",
+    ]
+
+
+def autoscale_section(d: dict) -> list[str]:
+    s = d["setup"]
+    lines = [
+        "## Autoscaler (`bench/autoscale.py`)", "",
+        f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
+        f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; phases (name, req/s, seconds) "
+        f"{s['phases']}; autoscaler {s['autoscale']}. {_machine(d)}", "",
+        "| way | phase | goodput req/s | P99 TTFT (ms) | P50 TTFT (ms) | completed / sent | limit |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for way, phases in d["ways"].items():
+        for phase, v in phases.items():
+            lines.append(f"| {way} | {phase} | {_f(v['goodput_req_s'], 2)} | {_f(v['ttft_p99_ms'])} | "
+                         f"{_f(v['ttft_p50_ms'])} | {v['completed']} / {v['requests']} | "
+                         f"{v['limit_min']}..{v['limit_max']} |")
+    moves = "; ".join(f"{m['old']} -> {m['new']} ({m['reason']})" for m in d["autoscaler_moves"]) or "none"
+    lines += ["", f"Autoscaler moves: {moves}.", "", "![autoscale](images/bench-autoscale.png)", ""]
+    return lines
+
+
+SETUPS = ("poolserve", "single-fcfs", "single-priority", "stock-two-pools")
+
+
+def mixed_section(d: dict) -> list[str]:
+    s, res, fl, r, t = d["setup"], d["results"], d["contention_floor"], d["ratios"], d["targets_met"]
+    lines = [
+        "## Mixed online and offline load (`bench/mixed.py`)", "",
+        f"Online: {s['online']}. Offline: {s['offline']}. Phases (s): {s['phases_s']}; an online request with no "
+        f"token after {s['online_timeout_s']} s counts with that TTFT (a lower bound). The contention floor is the "
+        f"stock two pools with only {s['floor_streams']} offline streams. Whole run {d['wall_s']} s. {_machine(d)}",
+        "",
+        "| set-up | online P50 / P99 TTFT alone (ms) | online P50 / P99 TTFT with offline (ms) | "
+        "online P99 TPOT with offline (ms) | online goodput with offline (req/s) | online timeouts | "
+        "offline tok/s with online | offline tok/s alone | offline borrowed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in SETUPS:
+        v = res[name]
+        a, w = v["online_alone"], v["online_with_offline"]
+        lines.append(f"| {name} | {_f(a['ttft_p50_ms'])} / {_f(a['ttft_p99_ms'])} | {_f(w['ttft_p50_ms'])} / "
+                     f"{_f(w['ttft_p99_ms'])} | {_f(w['tpot_p99_ms'], 1)} | {_f(w['goodput_req_s'], 2)} | "
+                     f"{w['timeouts']} | {_f(v['offline_with_online']['output_tok_s'])} | "
+                     f"{_f(v['offline_alone']['output_tok_s'])} | {v['offline_alone']['borrowed']} |")
+    fw = fl["online_with_offline"]
+    lines += [f"| contention floor | | {_f(fw['ttft_p50_ms'])} / {_f(fw['ttft_p99_ms'])} | "
+              f"{_f(fw['tpot_p99_ms'], 1)} | {_f(fw['goodput_req_s'], 2)} | {fw['timeouts']} | "
+              f"{_f(fl['offline_with_online']['output_tok_s'])} | | |", "",
+              "| ratio (poolserve / baseline) | value |", "|---|---:|"]
+    lines += [f"| {k} | {_f(v, 3)} |" for k, v in r.items()]
+    lines += ["", "| target | result |", "|---|---|"]
+    lines += [f"| {k.replace('_', ' ')} | {_yes(v)} |" for k, v in t.items()]
+    lines += ["", "![mixed](images/bench-mixed.png)", ""]
+    return lines
+
+
+def main() -> None:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    out = ["# Benchmarks", "",
+           "Generated by `python -m bench.report` from `bench/results/*.json` (`make bench` runs everything and "
+           "then this). Every comparison is measured side by side in one run; figures from different runs are "
+           "not comparable on this shared 2-core machine.", ""]
+    o, a, m = _load("overhead"), _load("autoscale"), _load("mixed")
+    if m:
+        shutil.copy(RESULTS / "mixed.png", IMAGES / "bench-mixed.png")
+        out += mixed_section(m)
+    if o:
+        plot_overhead(o, IMAGES / "bench-overhead.png")
+        out += overhead_section(o)
+    if a:
+        plot_autoscale(a, IMAGES / "bench-autoscale.png")
+        out += autoscale_section(a)
+    notes = REPO / "bench" / "notes.md"
+    if notes.exists():
+        out += [notes.read_text()]
+    DOC.write_text("\n".join(out) + "\n")
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()

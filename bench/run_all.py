@@ -1,0 +1,31 @@
+"""`make bench`: the overhead, autoscaler and mixed benchmarks in one run (one Ray cluster, one
+poolserve deployment shared by the first three measurements), then docs/benchmarks.md.
+
+    python -m bench.run_all      # about 15 minutes on the 2-core box
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench import autoscale, mixed, overhead, report
+from bench.common import deploy, local_config, ray_cluster, write_result
+
+
+def main() -> None:
+    started = time.monotonic()
+    with ray_cluster():
+        stack = deploy(local_config())
+        write_result("overhead", overhead.run(stack))
+        write_result("autoscale", autoscale.run(stack))
+        stack.wait(lambda: autoscale._idle(stack), 300)
+        results = {"poolserve": mixed.run_setup("poolserve", mixed.POOLSERVE)}
+        mixed._teardown("poolserve")
+        base, floor = mixed.run_baselines()
+        write_result("mixed", mixed.report({**results, **base}, floor, time.monotonic() - started))
+    report.main()
+    print(f"make bench took {time.monotonic() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
