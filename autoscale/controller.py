@@ -62,6 +62,7 @@ class PoolView:
     queued: int
     fresh: bool
     calibrating: bool = False  # pinned for a sweep: no borrowing into or out of it
+    lending: bool = True  # an operator may stop other pools borrowing this one
 
 
 @dataclass
@@ -71,6 +72,7 @@ class _PoolState:
     reports: dict[str, tuple[float, ReplicaStats]] = None  # replica -> (received, stats)
     pinned: int | None = None
     calibrating: bool = False
+    lending: bool = True
     stale_reason: str = ""
     last_logged: str = ""
 
@@ -193,7 +195,8 @@ class Controller:
             replicas = max(1, len(fresh))
             seqs = target if target is not None else self.allowed(name).low
             out[name] = PoolView(name, len(fresh), seqs * replicas, sum(s.gate.active for s in fresh),
-                                 sum(s.gate.queued for s in fresh), bool(fresh), self._pools[name].calibrating)
+                                 sum(s.gate.queued for s in fresh), bool(fresh), self._pools[name].calibrating,
+                                 self._pools[name].lending)
         return out
 
     def replica_stats(self, name: str) -> list[ReplicaStats]:
@@ -235,6 +238,10 @@ class Controller:
         p = self._pools[name]
         p.spec = replace(p.spec, ttft_slo_s=ttft_p99_ms / 1e3, tpot_slo_s=tpot_p99_ms / 1e3)
         log.info("pool %s: SLO set to P99 TTFT %.0f ms, P99 TPOT %.1f ms", name, ttft_p99_ms, tpot_p99_ms)
+
+    def set_lending(self, name: str, enabled: bool) -> None:
+        self._pools[name].lending = enabled
+        log.info("pool %s: lending to other pools %s", name, "on" if enabled else "off")
 
     def spec(self, name: str) -> PoolSpec:
         return self._pools[name].spec
@@ -279,6 +286,7 @@ class ControllerService:
                 "ladder": list(allowed.steps),
                 "slo": {"ttft_p99_ms": spec.ttft_slo_s * 1e3, "tpot_p99_ms": spec.tpot_slo_s * 1e3},
                 "profile_stale": c.stale_reason(name),
+                "lending": c.views()[name].lending,
                 "snapshot": c.snapshot(name).__dict__,
                 "replicas": [_replica_json(s) for s in c.replica_stats(name)],
             }
@@ -295,6 +303,9 @@ class ControllerService:
 
     async def set_slo(self, pool: str, ttft_p99_ms: float, tpot_p99_ms: float) -> None:
         self.controller.set_slo(pool, ttft_p99_ms, tpot_p99_ms)
+
+    async def set_lending(self, pool: str, enabled: bool) -> None:
+        self.controller.set_lending(pool, enabled)
 
 
 def _replica_json(s: ReplicaStats) -> dict:

@@ -8,7 +8,9 @@ Pure: rows in, verdict out. The rule (see `KneeRule`):
   2. Then the knee. Walking up the ladder, step i is where saturation begins if its
      P99 TTFT grew by more than `max_p99_growth_pct` over step i-1 while either its
      output-throughput gain was below `min_gain_pct`, or the growth exceeded
-     `max_growth_per_gain` times the gain.
+     `max_growth_per_gain` times the gain. Growth counts only once step i's P99 TTFT is
+     above `significant_slo_fraction` of the SLO: far below the SLO, a relative jump of
+     a small tail is noise or harmless, and a chat pool capped there queues at the gate.
   3. The safe range is [lowest step, last step before the knee and below any unsafe
      step], lowered by `headroom_steps`. With no knee in the ladder the range is the
      whole ladder (up to the first unsafe step) and the reason says so.
@@ -52,11 +54,11 @@ def _pct(new: float, old: float) -> float:
     return (new - old) / old * 100.0 if old > 0 else (0.0 if new <= 0 else float("inf"))
 
 
-def _knee_index(rows: Sequence[LadderRow], rule: KneeRule) -> tuple[int | None, str]:
+def _knee_index(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> tuple[int | None, str]:
     for i in range(1, len(rows)):
         gain = _pct(rows[i].output_tok_per_s, rows[i - 1].output_tok_per_s)
         growth = _pct(rows[i].ttft_ms.p99, rows[i - 1].ttft_ms.p99)
-        if growth <= rule.max_p99_growth_pct:
+        if growth <= rule.max_p99_growth_pct or rows[i].ttft_ms.p99 <= rule.significant_slo_fraction * slo.ttft_p99_ms:
             continue
         if gain < rule.min_gain_pct or growth > rule.max_growth_per_gain * gain:
             return i, (f"from {rows[i - 1].max_active_seqs} to {rows[i].max_active_seqs} sequences output "
@@ -76,7 +78,7 @@ def find_knee(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> KneeRe
         return KneeResult(None, steps[0], steps[0], False,
                           f"even the lowest step ({steps[0]}) is unsafe: {'; '.join(unsafe[1])}")
 
-    knee_i, knee_why = _knee_index(rows, rule)
+    knee_i, knee_why = _knee_index(rows, slo, rule)
     top, reasons = len(rows) - 1, []
     if knee_i is not None:
         top = knee_i - 1

@@ -61,12 +61,15 @@ class KneeRule(Frozen):
     """Saturation begins at the first step whose marginal output-throughput gain is below
     `min_gain_pct` while P99 TTFT grows by more than `max_p99_growth_pct`, or whose P99
     growth exceeds `max_growth_per_gain` times its gain (a tenth more throughput for
-    double the tail is past the knee). Hard limits override: any SLO broken, KV usage
-    above `kv_watermark`, or an error rate above `max_error_rate`."""
+    double the tail is past the knee). Growth only counts once the step's P99 TTFT is above
+    `significant_slo_fraction` of the SLO: doubling a 100 ms tail under a 1 s SLO is not the
+    climb that matters. Hard limits override: any SLO broken, KV usage above
+    `kv_watermark`, or an error rate above `max_error_rate`."""
 
     min_gain_pct: float = 10.0
     max_p99_growth_pct: float = 40.0
     max_growth_per_gain: float = 4.0
+    significant_slo_fraction: float = Field(0.5, ge=0, le=1)
     kv_watermark: float = 0.9
     max_error_rate: float = 0.01
     headroom_steps: int = Field(0, ge=0)

@@ -20,7 +20,7 @@ import time
 from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
 
 POOL = "online-chat"
-PHASES = (("low", 1.0, 15), ("high", 5.0, 30), ("low-again", 1.0, 15))  # (name, req/s, seconds)
+PHASES = (("low", 1.0, 12), ("high", 5.0, 25), ("low-again", 1.0, 12))  # (name, req/s, seconds)
 
 
 def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
@@ -47,10 +47,10 @@ def _idle(stack) -> bool:
     return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0 for r in reps)
 
 
-def _way(stack, name: str, seqs: int | None, low: int, slo) -> dict:
+def _way(stack, name: str, seqs: int | None, start: int, slo) -> dict:
     stack.wait(lambda: _idle(stack), 300)  # nothing left over from the way before
-    # every way starts from the bottom of the range; static ways stay pinned
-    stack.pin(POOL, seqs if seqs is not None else low, calibrating=False)
+    # static ways stay pinned; the autoscaled way starts at the pool's configured start
+    stack.pin(POOL, seqs if seqs is not None else start, calibrating=False)
     if seqs is None:
         stack.admin("DELETE", f"/admin/pools/{POOL}/limits")
     phases = {}
@@ -75,7 +75,7 @@ def _way(stack, name: str, seqs: int | None, low: int, slo) -> dict:
 def run(stack) -> dict:
     rp = stack.resolved.pools[POOL]
     low, high, slo = rp.safe_range.low, rp.safe_range.high, rp.config.slo
-    ways = {"autoscaled": _way(stack, "autoscaled", None, low, slo),
+    ways = {f"autoscaled-from-{rp.start_seqs}": _way(stack, "autoscaled", None, rp.start_seqs, slo),
             f"static-low-{low}": _way(stack, "static-low", low, low, slo),
             f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
     decisions = [d for d in stack.admin("GET", "/admin/decisions?limit=500").json()

@@ -7,7 +7,8 @@ Traffic, the same for every set-up:
   * offline: a batch-job-like flood, OFFLINE_OUTSTANDING whole (non-streamed) requests kept
     outstanding (10x the offline engine's 64 slots), from its own process.
 Phases per set-up: online alone; online + offline (after a ramp so that queues form);
-offline alone. Requests still running when a phase ends are cancelled, so a set-up whose
+offline alone (for poolserve twice: borrowing on, then the online pool's lending switched
+off, so that the lift from borrowing is measured in the same run). Requests still running when a phase ends are cancelled, so a set-up whose
 queues never drain cannot stall the run; an online request that gets no first token within
 ONLINE_TIMEOUT_S counts with that TTFT, as a lower bound.
 
@@ -23,7 +24,7 @@ Set-ups (engines pinned to the machine's two cores in every case):
 The contention floor: stock two pools with only FLOOR_STREAMS offline streams (nothing
 queues), in the same run.
 
-    python -m bench.mixed      # about 11 minutes; writes bench/results/mixed.json
+    python -m bench.mixed      # about 10 minutes; writes bench/results/mixed.json
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +43,7 @@ ONLINE_RATE = 4.0
 OFFLINE_OUTSTANDING = 640
 OFFLINE_LENGTHS = ("200", "100")  # prompt, output tokens of a batch item
 FLOOR_STREAMS = 48
-ALONE_S, RAMP_S, TOGETHER_S, OFFLINE_ALONE_S = 20, 10, 40, 15
+ALONE_S, RAMP_S, TOGETHER_S, OFFLINE_ALONE_S = 15, 10, 35, 12
 ONLINE_TIMEOUT_S = 90
 SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}  # the online-chat pool's
 
@@ -50,6 +52,7 @@ SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}  # the online-chat pool's
 class Endpoints:
     online_url: str
     offline_url: str
+    admin: object = None  # a bench Stack when the set-up is poolserve (to switch lending off)
     online_key: str = "none"
     offline_key: str = "none"
     online_model: str = "tiny-llama"
@@ -98,17 +101,30 @@ def _offline_figures(w: dict) -> dict:
 
 
 def run_setup(name: str, ep: Endpoints) -> dict:
+    """The three phases. For poolserve the offline-alone phase is measured twice: with
+    borrowing (the online pool idle and lending), then with the online pool's lending off."""
     print(f"[{name}] online alone ...", flush=True)
     alone = _result(_online(ep, 3, ALONE_S, seed=1))
     print(f"[{name}] online + offline ({OFFLINE_OUTSTANDING} outstanding) ...", flush=True)
-    flood = _offline(ep, OFFLINE_OUTSTANDING, RAMP_S, (TOGETHER_S, OFFLINE_ALONE_S))
+    windows = (TOGETHER_S, OFFLINE_ALONE_S) + ((OFFLINE_ALONE_S,) if ep.admin else ())
+    flood = _offline(ep, OFFLINE_OUTSTANDING, RAMP_S, windows)
+    switch = None
+    if ep.admin:  # lending off for the last window
+        switch = threading.Timer(RAMP_S + TOGETHER_S + OFFLINE_ALONE_S, lambda: ep.admin.admin(
+            "PUT", "/admin/pools/online-chat/lending", json={"enabled": False}))
+        switch.start()
     time.sleep(RAMP_S)
     together = _result(_online(ep, 0, TOGETHER_S, seed=2))
     print(f"[{name}] offline alone ...", flush=True)
     off = _result(flood)
+    if ep.admin:
+        switch.join()
+        ep.admin.admin("PUT", "/admin/pools/online-chat/lending", json={"enabled": True})
     out = {"online_alone": _online_figures(alone), "online_with_offline": _online_figures(together),
            "offline_with_online": _offline_figures(off["windows"][0]),
            "offline_alone": _offline_figures(off["windows"][1])}
+    if ep.admin:
+        out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][2])
     print(f"[{name}] online P99 TTFT alone {out['online_alone']['ttft_p99_ms']:.0f} ms, under load "
           f"{out['online_with_offline']['ttft_p99_ms']:.0f} ms; offline {out['offline_with_online']['output_tok_s']:.0f}"
           f" tok/s with online, {out['offline_alone']['output_tok_s']:.0f} alone", flush=True)
@@ -130,7 +146,10 @@ def _model_source() -> str:
     return local_config()["model"]["source"]
 
 
-def _llm_config(model_id: str, seqs: int, batched: int, kv_gb: float, cores: str, policy: str):
+def _llm_config(model_id: str, seqs: int, batched: int, kv_gb: float, cores: str, policy: str,
+                stream_batching_ms: float):
+    """A stock pool as a careful user writes it: the same engine ceilings, cores and stream
+    batching as poolserve's pools, and max_ongoing_requests set (the LLM default is 1e9)."""
     from ray.serve.llm import LLMConfig
 
     return LLMConfig(
@@ -143,23 +162,27 @@ def _llm_config(model_id: str, seqs: int, batched: int, kv_gb: float, cores: str
         deployment_config={"max_ongoing_requests": 256,
                            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1,
                                                   "target_ongoing_requests": 64}},
+        experimental_configs={"stream_batching_interval_ms": stream_batching_ms},
     )
 
 
-def _stock(llm_configs: list) -> None:
+def _stock(llm_configs: list, prefix: str = "") -> str:
+    """Deploy stock ray.serve.llm (OpenAiIngress) at `prefix`; return its /v1 URL."""
     from ray import serve
     from ray.serve.llm import build_openai_app
 
-    serve.run(build_openai_app({"llm_configs": llm_configs}), name="stock", route_prefix="/")
-    _warm_stock([c.model_id for c in llm_configs])
+    serve.run(build_openai_app({"llm_configs": llm_configs}), name="stock", route_prefix=prefix or "/")
+    url = f"http://127.0.0.1:8000{prefix}/v1"
+    _warm_stock(url, [c.model_id for c in llm_configs])
+    return url
 
 
-def _warm_stock(models: list[str]) -> None:
+def _warm_stock(url: str, models: list[str]) -> None:
     import httpx
 
     for model in models:
         for i in range(8):
-            httpx.post("http://127.0.0.1:8000/v1/chat/completions", timeout=120,
+            httpx.post(f"{url}/chat/completions", timeout=120,
                        json={"model": model, "messages": [{"role": "user", "content": "warm " * (1 + 16 * i)}],
                              "max_tokens": 8})
 
@@ -172,17 +195,15 @@ def _teardown(name: str) -> None:
 
 
 def setup_single(policy: str) -> Endpoints:
-    _stock([_llm_config("tiny-llama", 64, 4096, 2.0, "0-1", policy)])
-    url = "http://127.0.0.1:8000/v1"
+    url = _stock([_llm_config("tiny-llama", 64, 4096, 2.0, "0-1", policy, 10)])
     if policy == "priority":
         return Endpoints(url, url, online_body='{"priority": 0}', offline_body='{"priority": 1}')
     return Endpoints(url, url)
 
 
-def setup_two_pools() -> Endpoints:
-    _stock([_llm_config("tiny-llama-online", 32, 2048, 1.0, "0", "fcfs"),
-            _llm_config("tiny-llama-offline", 64, 4096, 1.0, "1", "fcfs")])
-    url = "http://127.0.0.1:8000/v1"
+def setup_two_pools(prefix: str = "") -> Endpoints:
+    url = _stock([_llm_config("tiny-llama-online", 32, 2048, 1.0, "0", "fcfs", 10),
+                  _llm_config("tiny-llama-offline", 64, 4096, 1.0, "1", "fcfs", 100)], prefix)
     return Endpoints(url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
 
 
@@ -225,7 +246,7 @@ def targets(results: dict, r: dict) -> dict:
         "offline_tok_s_at_least_0.8x_stock_two_pools": (r["offline_tok_s_vs_stock-two-pools"] or 0) >= 0.8,
         "borrowing_lifts_offline_alone_above_offline_pool_alone":
             ps["offline_alone"]["borrowed"] > 0
-            and ps["offline_alone"]["output_tok_s"] > results["stock-two-pools"]["offline_alone"]["output_tok_s"],
+            and ps["offline_alone"]["output_tok_s"] > ps["offline_alone_no_borrowing"]["output_tok_s"],
     }
 
 
@@ -267,18 +288,19 @@ def plot(results: dict, floor: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_baselines() -> tuple[dict, dict]:
-    """The three stock set-ups and the contention floor, each deployed in turn."""
-    results = {}
-    for name, make in (("single-fcfs", lambda: setup_single("fcfs")),
-                       ("single-priority", lambda: setup_single("priority"))):
-        results[name] = run_setup(name, make())
-        _teardown("stock")
-    ep = setup_two_pools()
-    results["stock-two-pools"] = run_setup("stock-two-pools", ep)
+def run_two_pools(ep: Endpoints) -> tuple[dict, dict]:
+    result = run_setup("stock-two-pools", ep)
     floor = contention_floor(ep)
     _teardown("stock")
-    return results, floor
+    return result, floor
+
+
+def run_single_pools() -> dict:
+    results = {}
+    for name, policy in (("single-fcfs", "fcfs"), ("single-priority", "priority")):
+        results[name] = run_setup(name, setup_single(policy))
+        _teardown("stock")
+    return results
 
 
 def report(results: dict, floor: dict, wall_s: float) -> dict:
@@ -299,11 +321,12 @@ def report(results: dict, floor: dict, wall_s: float) -> dict:
 def main() -> None:
     started = time.monotonic()
     with ray_cluster():
-        deploy(local_config())
-        results = {"poolserve": run_setup("poolserve", POOLSERVE)}
+        stack = deploy(local_config())
+        results = {"poolserve": run_setup("poolserve", Endpoints(**{**POOLSERVE.__dict__, "admin": stack}))}
         _teardown("poolserve")
-        base, floor = run_baselines()
-    write_result("mixed", report({**results, **base}, floor, time.monotonic() - started))
+        results["stock-two-pools"], floor = run_two_pools(setup_two_pools())
+        results.update(run_single_pools())
+    write_result("mixed", report(results, floor, time.monotonic() - started))
 
 
 if __name__ == "__main__":

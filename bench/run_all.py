@@ -16,13 +16,16 @@ def main() -> None:
     started = time.monotonic()
     with ray_cluster():
         stack = deploy(local_config())
-        write_result("overhead", overhead.run(stack))
+        two_pools = mixed.setup_two_pools("/stock")  # beside poolserve: the overhead baseline, later a set-up
+        write_result("overhead", overhead.run(stack, overhead.direct_target(two_pools.online_url)))
         write_result("autoscale", autoscale.run(stack))
         stack.wait(lambda: autoscale._idle(stack), 300)
-        results = {"poolserve": mixed.run_setup("poolserve", mixed.POOLSERVE)}
+        results = {"poolserve": mixed.run_setup("poolserve", mixed.Endpoints(
+            **{**mixed.POOLSERVE.__dict__, "admin": stack}))}
         mixed._teardown("poolserve")
-        base, floor = mixed.run_baselines()
-        write_result("mixed", mixed.report({**results, **base}, floor, time.monotonic() - started))
+        results["stock-two-pools"], floor = mixed.run_two_pools(two_pools)
+        results.update(mixed.run_single_pools())
+        write_result("mixed", mixed.report(results, floor, time.monotonic() - started))
     report.main()
     print(f"make bench took {time.monotonic() - started:.0f}s")
 

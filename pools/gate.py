@@ -13,7 +13,9 @@ Admission order:
   3. the head of the chosen queue is admitted only if it fits the limits (active
      sequences and in-flight tokens). A head that does not fit blocks everything behind
      it, so a large request is never starved by smaller ones. A request larger than the
-     whole token budget runs alone.
+     whole token budget runs alone. Borrowed work (another pool's, lent this pool's idle
+     capacity) only fills what the pool's own work leaves free, and the pool's own work
+     does not count it: chat that returns gets its slots at once, up to the engine ceiling.
 
 The queue is bounded in requests and tokens. When it is full, an arrival more important
 than the least important queued request evicts the newest such request; otherwise the
@@ -152,6 +154,8 @@ class AdmissionGate:
         self._active: dict[int, Ticket] = {}
         self._queued: dict[int, Ticket] = {}
         self._inflight_tokens = 0
+        self._borrowed = 0  # active borrowed requests and their tokens
+        self._borrowed_tokens = 0
         self._queued_tokens = 0
         self._ids = itertools.count(1)
         self._admit_times: collections.deque[float] = collections.deque()
@@ -220,6 +224,9 @@ class AdmissionGate:
         if t is None:
             return Changes()
         self._inflight_tokens -= t.cost
+        if t.priority == PriorityClass.BORROWED:
+            self._borrowed -= 1
+            self._borrowed_tokens -= t.cost
         self._counts["completed"] += 1
         if used_tokens is not None:
             self._classes[t.priority].counters[t.tenant] += (used_tokens - t.cost) / t.weight
@@ -247,6 +254,9 @@ class AdmissionGate:
             t.admitted_at = self._clock()
             self._active[t.id] = t
             self._inflight_tokens += t.cost
+            if t.priority == PriorityClass.BORROWED:
+                self._borrowed += 1
+                self._borrowed_tokens += t.cost
             self._peak = max(self._peak, len(self._active))
             self._classes[t.priority].charge(t, t.cost)
             self._record_admission(t.admitted_at)
@@ -270,10 +280,18 @@ class AdmissionGate:
         return None
 
     def _fits(self, t: Ticket) -> bool:
+        """Borrowed work only fills free capacity, and never stands in the way of the pool's
+        own work: an own request counts only own requests against the limits (the engine
+        ceiling caps the total), so borrowed slots are handed back as soon as chat returns."""
         if not self._active:
             return True  # an idle replica always runs one request, however large
-        return (len(self._active) < self._limits.max_active_seqs
-                and self._inflight_tokens + t.cost <= self._limits.max_inflight_tokens)
+        if t.priority == PriorityClass.BORROWED:
+            seqs, tokens = len(self._active), self._inflight_tokens
+        else:
+            if len(self._active) >= self._ceilings.max_num_seqs:
+                return False
+            seqs, tokens = len(self._active) - self._borrowed, self._inflight_tokens - self._borrowed_tokens
+        return seqs < self._limits.max_active_seqs and tokens + t.cost <= self._limits.max_inflight_tokens
 
     def _holding(self) -> bool:
         q = self._queue

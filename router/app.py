@@ -225,6 +225,15 @@ class Router:
             return {"pool": pool, "pinned": None}
         return await self._admin(request, run)
 
+    async def admin_lending(self, request: Request, pool: str) -> Response:
+        async def run():
+            body = await self._json(request)
+            if not isinstance(body.get("enabled"), bool):
+                raise ApiError(400, "invalid_value", "enabled must be true or false", "enabled")
+            await self._controller.set_lending.remote(self._known(pool), body["enabled"])
+            return {"pool": pool, "lending": body["enabled"]}
+        return await self._admin(request, run)
+
     async def admin_slo(self, request: Request, pool: str) -> Response:
         async def run():
             body = await self._json(request)
@@ -455,13 +464,16 @@ class Router:
 
     def _choose(self, pool: str, call: PoolCall) -> tuple[str, bool]:
         rule = self._routes[pool].borrow
-        if rule is None or call.priority == PriorityClass.INTERACTIVE or self._calibrating(pool, rule.into):
+        if rule is None or call.priority == PriorityClass.INTERACTIVE or not self._may_borrow(pool, rule.into):
             return pool, False
         ok, _why = borrow_decision(self._load(pool), self._load(rule.into), rule)
         return (rule.into, True) if ok else (pool, False)
 
-    def _calibrating(self, *pools: str) -> bool:
-        return any(getattr(self._views.get(p), "calibrating", False) for p in pools)
+    def _may_borrow(self, home: str, target: str) -> bool:
+        """Not while either pool is being calibrated, nor from a pool that stopped lending."""
+        h, t = self._views.get(home), self._views.get(target)
+        return not (getattr(h, "calibrating", False) or getattr(t, "calibrating", False)
+                    or not getattr(t, "lending", True))
 
     def _load(self, pool: str) -> PoolLoad:
         view = self._views.get(pool)

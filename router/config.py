@@ -22,15 +22,15 @@ class QuotaConfig(Frozen):
 
 
 class TenantConfig(Frozen):
-    name: str
+    name: str = Field(description="Tenant name in metrics and logs.")
     key_sha256: str = Field(description="SHA-256 (hex) of the tenant's API key; the key itself is never stored.")
-    pools: tuple[str, ...] = Field(min_length=1)
-    default_pool: str | None = None
+    pools: tuple[str, ...] = Field(min_length=1, description="Pools this key may use.")
+    default_pool: str | None = Field(None, description="Pool for /v1/... (default: the first of `pools`).")
     priority: PriorityName | None = Field(None, description="Default class (default: the pool's).")
     max_priority: PriorityName | None = Field(
         None, description="Most important class a request may ask for (default: its default class).")
-    weight: float = Field(1.0, gt=0, le=1000)
-    quota: QuotaConfig = QuotaConfig()
+    weight: float = Field(1.0, gt=0, le=1000, description="Share of tokens under contention inside a class.")
+    quota: QuotaConfig = Field(default_factory=QuotaConfig, description="See below.")
 
     @field_validator("name")
     @classmethod
@@ -73,13 +73,14 @@ class TenantConfig(Frozen):
 class RouterConfig(Frozen):
     host: str = Field("127.0.0.1", description="Bind address; 0.0.0.0 only behind a trusted network.")
     port: int = Field(8000, ge=1, le=65535)
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, description="Router replicas; quotas hold across them (shared ledger).")
     max_ongoing_requests: int = Field(
         4096, ge=1, description="Per router replica; large so that Serve never queues in front of it.")
-    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger bodies get 413.")
     request_timeout_s: float = Field(900.0, gt=0)
-    admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
-    log_prompts: bool = False
+    admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                         description="SHA-256 of the admin key; unset disables /admin.")
+    log_prompts: bool = Field(False, description="Log prompt text (off: only sizes and outcomes are logged).")
     lease_fraction: float = Field(0.1, gt=0, le=1, description="Share of a quota one lease may take.")
-    lease_ttl_s: float = Field(5.0, gt=0)
-    pool_view_interval_s: float = Field(1.0, gt=0)
+    lease_ttl_s: float = Field(5.0, gt=0, description="How often unused lease balances go back to the ledger.")
+    pool_view_interval_s: float = Field(1.0, gt=0, description="How often the router refreshes pool load.")

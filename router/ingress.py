@@ -35,6 +35,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("post", "/admin/pools/{pool}/limits", "admin_pin"),
     ("delete", "/admin/pools/{pool}/limits", "admin_unpin"),
     ("put", "/admin/pools/{pool}/slo", "admin_slo"),
+    ("put", "/admin/pools/{pool}/lending", "admin_lending"),
 )
 BODIES = {"chat": "ChatCompletionRequest", "completions": "CompletionRequest"}
 ERROR_SCHEMA = {

@@ -170,6 +170,13 @@ def test_stale_profile_pins_the_pool_to_its_bottom_step():
     assert c.target("p") == 2 and "hardware differs" in c.stale_reason("p")
 
 
+def test_lending_switch_shows_in_views():
+    c, _ = controller()
+    assert c.views()["p"].lending
+    c.set_lending("p", False)
+    assert not c.views()["p"].lending
+
+
 def test_pin_and_unpin():
     c, clock = controller()
     c.report(stats(seqs=8))

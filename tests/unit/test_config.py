@@ -156,3 +156,9 @@ def test_shipped_local_config_is_valid():
     run = subprocess.run([sys.executable, "-m", "deployments.cli", "validate",
                           str(REPO / "deployments/configs/local.yaml")], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stderr
+
+
+def test_configuration_doc_is_generated_from_the_models():
+    from deployments.config_doc import DOC, render
+
+    assert DOC.read_text() == render(), "run `python -m deployments.config_doc`"

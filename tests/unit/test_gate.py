@@ -245,3 +245,32 @@ def test_release_corrects_counter_with_real_usage():
     a, _ = offer(gate, "a", cost=1000)
     gate.release(a.id, used_tokens=100)
     assert gate._classes[P.STANDARD].counters["a"] == pytest.approx(100)
+
+
+def test_borrowed_work_never_blocks_the_pools_own():
+    gate, _ = make_gate(seqs=2, tokens=10_000)
+    b1, _ = offer(gate, "off", P.BORROWED)
+    b2, _ = offer(gate, "off", P.BORROWED)
+    b3, ch = offer(gate, "off", P.BORROWED)
+    assert ch.admitted == []  # borrowed work only fills free capacity
+    chat, ch = offer(gate, "chat", P.INTERACTIVE)
+    assert ch.admitted == [chat]  # own work does not count the borrowed slots
+    assert gate.stats().active == 3
+    c2, ch = offer(gate, "chat", P.INTERACTIVE)
+    assert ch.admitted == [c2]
+    c3, ch = offer(gate, "chat", P.INTERACTIVE)
+    assert ch.admitted == []  # two own requests: the limit
+    gate.release(b1.id)
+    assert not gate.is_active(b3.id)  # the queued borrowed waits behind queued chat
+    assert gate.release(chat.id).admitted == [c3]
+
+
+def test_engine_ceiling_caps_own_plus_borrowed():
+    clock = FakeClock()
+    rng = SafeRange(ladder=(1, 2, 4), low=1, high=4, tokens_per_seq=1000, max_inflight_tokens=100_000)
+    gate = AdmissionGate(BatchLimits(2, 2000), rng, Ceilings(3, 100_000), QueuePolicy(100, 10**6), clock)
+    for _ in range(2):
+        offer(gate, "off", P.BORROWED)
+    offer(gate, "chat", P.INTERACTIVE)
+    _, ch = offer(gate, "chat", P.INTERACTIVE)
+    assert ch.admitted == [] and gate.stats().active == 3  # max_num_seqs 3 reached

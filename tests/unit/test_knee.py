@@ -28,14 +28,17 @@ def ladder(*points) -> list[LadderRow]:
 
 CASES = [
     ("clean knee",  # +4% throughput for +40%+ P99 at 32: knee at 32, range up to 16
-     ladder((4, 1000, 100), (8, 1900, 110), (16, 3400, 140), (32, 3500, 260), (64, 3520, 700)),
+     ladder((4, 1000, 500), (8, 1900, 550), (16, 3400, 600), (32, 3500, 900), (64, 3520, 2500)),
      32, (4, 16), True, "knee at 32"),
     ("noisy plateau",  # small ups and downs of throughput while the tail climbs
-     ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60), (8, 1130, 95), (16, 1110, 160), (32, 1150, 400)),
+     ladder((1, 300, 300), (2, 580, 320), (4, 1100, 350), (8, 1130, 560), (16, 1110, 700), (32, 1150, 950)),
      8, (1, 4), True, "knee at 8"),
     ("tenth more throughput for a multiplied tail",  # gain 10% >= g but growth 200% > 4 x gain
-     ladder((4, 1000, 100), (8, 1800, 120), (16, 1980, 360)),
+     ladder((4, 1000, 200), (8, 1800, 240), (16, 1980, 720)),
      16, (4, 8), True, "knee at 16"),
+    ("growth far below the SLO does not count",  # 100 -> 250 ms is +150%, but under half the 1 s SLO
+     ladder((1, 300, 60), (2, 560, 100), (4, 700, 250), (8, 800, 400)),
+     None, (1, 8), True, "no knee within the ladder"),
     ("SLO hit before the knee",
      ladder((4, 1000, 300), (8, 1900, 400), (16, 3400, 1200), (32, 3500, 2000)),
      32, (4, 8), True, "16 is unsafe: P99 TTFT 1200 ms > SLO 1000 ms"),
@@ -43,7 +46,7 @@ CASES = [
      ladder((4, 1000, 100, 40), (8, 1900, 110, 80), (16, 3400, 130, 140)),
      None, (4, 8), True, "P99 TPOT 140.0 ms > SLO 100.0 ms"),
     ("KV watermark hit first",
-     ladder((4, 1000, 100, 20, 0.3), (8, 1900, 110, 20, 0.6), (16, 3400, 130, 20, 0.95), (32, 3500, 300, 20, 1.0)),
+     ladder((4, 1000, 500, 20, 0.3), (8, 1900, 520, 20, 0.6), (16, 3400, 540, 20, 0.95), (32, 3500, 900, 20, 1.0)),
      32, (4, 8), True, "KV usage 95% > watermark 90%"),
     ("errors",
      ladder((4, 1000, 100), (8, 1900, 110, 20, 0.1, 50)),
@@ -68,7 +71,7 @@ def test_knee_table(name, rows, knee, rng, feasible, reason):
 
 
 def test_headroom_steps_lower_the_top():
-    rows = ladder((4, 1000, 100), (8, 1900, 110), (16, 3400, 140), (32, 3500, 260))
+    rows = ladder((4, 1000, 500), (8, 1900, 550), (16, 3400, 600), (32, 3500, 900))
     r = find_knee(rows, SLO, KneeRule(headroom_steps=1))
     assert (r.low, r.high) == (4, 8) and "headroom" in r.reason
 
@@ -95,7 +98,7 @@ TRAFFIC = TrafficSpec(source="t", scale=0.24, seed=0, prompt_tokens=LengthStats(
 
 
 def test_sweep_profile_roundtrip(tmp_path):
-    figures = {4: (1000, 100), 8: (1900, 110), 16: (3400, 140), 32: (3500, 260)}
+    figures = {4: (1000, 500), 8: (1900, 550), 16: (3400, 600), 32: (3500, 900)}
     applied = []
     rows = sweep(list(figures), applied.append, lambda s: row(s, *figures[s]), progress=lambda _: None)
     assert applied == [4, 8, 16, 32]

@@ -1,0 +1,134 @@
+"""PoolServer with a deterministic fake engine: the stream protocol, priorities, slots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pools.gate import Ceilings, QueuePolicy
+from pools.server import PoolServer, PoolSettings
+from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected, SafeRange
+
+RANGE = SafeRange((1, 2, 4), 1, 4, 100, 10_000)
+
+
+class FakeEngine:
+    """Streams `n` chunks then a usage chunk, like vLLM's OpenAI layer; records priorities."""
+
+    seen_priorities: list[int] = []
+    release = None  # an asyncio.Event that holds streams open when set by a test
+
+    def __init__(self, llm_config) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def completions(self, request, raw_request_info=None):
+        FakeEngine.seen_priorities.append(request.priority)
+        if not request.stream:
+            yield SimpleNamespace(usage=SimpleNamespace(prompt_tokens=3, completion_tokens=request.max_tokens))
+            return
+        for i in range(request.max_tokens):
+            if FakeEngine.release is not None:
+                await FakeEngine.release.wait()
+            yield f'data: {{"choices":[{{"text":"t{i}"}}]}}\n\n'
+        yield ('data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % request.max_tokens)
+        yield "data: [DONE]\n\n"
+
+    chat = completions
+
+
+def settings(**queue) -> PoolSettings:
+    return PoolSettings(
+        name="p", start_seqs=1, safe_range=RANGE, ceilings=Ceilings(8, 10_000),
+        queue=QueuePolicy(max_queued=queue.get("max_queued", 10), max_queued_tokens=100_000),
+        report_interval_s=1, latency_window_s=10, stream_batching_ms=0,
+        fingerprint_base={"model": "m", "dtype": "float32", "quantization": "none", "max_model_len": 64,
+                          "max_num_seqs": 8, "max_num_batched_tokens": 64, "kv_cache_gb": 1.0},
+        warmup_requests=0)
+
+
+async def make_server(**queue) -> PoolServer:
+    server = PoolServer.__new__(PoolServer)
+    config = SimpleNamespace(multiplex_config=lambda: None)
+    await server.__init__(config, settings=settings(**queue), controller=None, engine_cls=FakeEngine)
+    server._maybe_add_request_id_to_request = lambda body: asyncio.sleep(0)
+    return server
+
+
+def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=False) -> PoolCall:
+    body = SimpleNamespace(stream=stream, max_tokens=max_tokens, priority=0)
+    return PoolCall("completions", body, "t", 1.0, priority, prompt_tokens=3, max_tokens=max_tokens,
+                    include_usage=include_usage)
+
+
+async def collect(server, c) -> list:
+    return [item async for item in server.generate(c)]
+
+
+def test_stream_protocol_and_priority():
+    async def go():
+        FakeEngine.release, FakeEngine.seen_priorities = None, []
+        server = await make_server()
+        items = await collect(server, call(PriorityClass.BATCH))
+        return server, items
+
+    server, items = asyncio.run(go())
+    assert isinstance(items[0], Admitted) and items[0].pool == "p"
+    assert isinstance(items[-1], Finished) and items[-1].usage.completion_tokens == 3
+    chunks = "".join("".join(x) for x in items[1:-1])
+    assert chunks.count('"text"') == 3 and "usage" not in chunks  # the client did not ask for usage
+    assert FakeEngine.seen_priorities == [int(PriorityClass.BATCH)]  # lower runs first in vLLM
+    stats = server._gate.gate.stats()
+    assert stats.active == 0 and stats.completed == 1
+
+
+def test_usage_chunk_kept_when_the_client_asked():
+    async def go():
+        FakeEngine.release = None
+        server = await make_server()
+        return await collect(server, call(include_usage=True))
+
+    items = asyncio.run(go())
+    chunks = "".join("".join(x) for x in items[1:-1])
+    assert '"usage"' in chunks and json.loads(chunks.split("data: ")[-2])["usage"]["completion_tokens"] == 3
+
+
+def test_queue_full_yields_a_single_rejection():
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server(max_queued=1)
+        running = asyncio.create_task(collect(server, call()))  # holds the only slot
+        waiting = asyncio.create_task(collect(server, call()))  # fills the queue
+        await asyncio.sleep(0.05)
+        refused = await collect(server, call())
+        FakeEngine.release.set()
+        await asyncio.gather(running, waiting)
+        return refused, server
+
+    refused, server = asyncio.run(go())
+    assert len(refused) == 1 and isinstance(refused[0], Rejected)
+    assert refused[0].status == 429 and refused[0].retry_after_s > 0 and "queue is full" in refused[0].message
+    assert server._gate.gate.stats().completed == 2
+
+
+def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server()
+        gen = server.generate(call(max_tokens=50))
+        assert isinstance(await gen.__anext__(), Admitted)
+        task = asyncio.create_task(gen.__anext__())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        return server._gate.gate.stats()
+
+    stats = asyncio.run(go())
+    assert stats.active == 0 and stats.cancelled == 1 and stats.inflight_tokens == 0
