@@ -35,8 +35,8 @@ from pools.engine import StatsBox, hardware_name, pool_engine_cls
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
 from pools.logs import configure_logging
 from pools.metrics import PoolMetrics
-from pools.types import (Admitted, BatchLimits, EngineStats, Finished, LatencySample, LimitsDirective, PoolCall,
-                         Rejected, ReplicaStats, SafeRange, Usage)
+from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, LimitsDirective, PoolCall,
+                         Refused, Rejected, ReplicaStats, SafeRange, Usage)
 
 log = logging.getLogger("poolserve.pool")
 
@@ -93,6 +93,30 @@ def _usage_chunk(item: str) -> Usage | None:
     return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
 
 
+def _client_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # the pure tests run without vLLM
+        return KeyError, TypeError, ValueError
+    return KeyError, TypeError, ValueError, VLLMClientError
+
+
+async def _refusing(stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """The engine's stream, where an input error raised before any output (vLLM renders the
+    chat template only once the request is admitted) becomes a `Refused` item instead of an
+    exception, so the caller gets a 400 that names the problem rather than a 5xx."""
+    started = False
+    try:
+        async for item in stream:
+            started = True
+            yield item
+    except _client_errors() as e:
+        if started:
+            raise
+        log.info("engine refused a request: %r", e)
+        yield Refused("invalid_request", f"the engine could not process the request: {type(e).__name__}: {e}")
+
+
 class PoolServer(LLMServer):
     async def __init__(self, llm_config, *, settings: PoolSettings, controller: Any = None, engine_cls=None) -> None:
         configure_logging()
@@ -120,6 +144,7 @@ class PoolServer(LLMServer):
 
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
         arrived = time.monotonic()
+        yield Arrived(self._replica)
         try:
             ticket = await self._gate.acquire(call.tenant, call.weight, call.priority, call.cost)
         except GateRejected as e:
@@ -155,7 +180,7 @@ class PoolServer(LLMServer):
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
         """The engine's output for one call; streams are timed, usage split off, and batched."""
         await self._maybe_add_request_id_to_request(call.body)
-        engine_stream = getattr(self.engine, call.kind)(call.body, None)
+        engine_stream = _refusing(getattr(self.engine, call.kind)(call.body, None))
         if not getattr(call.body, "stream", False):
             async for response in engine_stream:
                 u = getattr(response, "usage", None)
@@ -164,10 +189,20 @@ class PoolServer(LLMServer):
                 yield response
             return
 
+        first = await anext(engine_stream, None)
+        if isinstance(first, Refused):  # answer it whole: no stream has started
+            yield first
+            return
         usage_box: list[Usage] = []
 
-        async def timed() -> AsyncGenerator[str, None]:
+        async def chained() -> AsyncGenerator[Any, None]:
+            if first is not None:
+                yield first
             async for item in engine_stream:
+                yield item
+
+        async def timed() -> AsyncGenerator[str, None]:
+            async for item in chained():
                 if isinstance(item, str):
                     u = _usage_chunk(item)
                     if u is not None:

@@ -121,6 +121,14 @@ class Admitted:
 
 
 @dataclass(frozen=True)
+class Arrived:
+    """The first item of every pool stream: the call reached a replica (so the router can tell
+    a pool that is restarting from one whose queue is long)."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
 class Rejected:
     """The only item of a pool stream that got no slot (status 429 or 503)."""
 
@@ -128,6 +136,15 @@ class Rejected:
     reason: str
     message: str
     retry_after_s: float
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The engine refused an admitted request before producing output (bad input that got
+    past the router's validation); the router answers 400 with this message."""
+
+    code: str
+    message: str
 
 
 @dataclass(frozen=True)

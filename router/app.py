@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pools.logs import configure_logging
 from pools.metrics import RouterMetrics
-from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected, Usage
+from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Refused, Rejected, Usage
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient, QuotaExceeded
@@ -259,7 +259,8 @@ class Router:
             priority = self._priority(request, tenant, pool)
             charge = await self._charge(tenant, prompt_tokens + max_tokens * (getattr(body, "n", 1) or 1))
         except ApiError as e:
-            self._metrics.request(self._by_prefix.get(prefix or "", prefix or "-"), "-", e.status)
+            label = "-" if prefix is None else self._by_prefix.get(prefix, "unknown")  # never echo a raw path
+            self._metrics.request(label, "-", e.status)
             return e.response()
         if self._s.router.log_prompts:
             log.info("tenant=%s prompt=%s", tenant.name, json.dumps(_prompt_of(body))[:4000])
@@ -274,13 +275,13 @@ class Router:
         gen = None
         try:
             gen = self._start(target, call, borrowed)
-            admitted = await gen.__anext__()
+            admitted = await self._admission(gen, target, flight)
             if isinstance(admitted, Rejected) and borrowed:  # the lender is busy again: go home
                 self._inflight_done(target, True)
                 flight.pool, flight.borrowed = pool, False
                 self._inflight_start(pool, False)
                 gen = self._start(pool, call, False)
-                admitted = await gen.__anext__()
+                admitted = await self._admission(gen, pool, flight)
             if isinstance(admitted, Rejected):
                 flight.never_ran = True
                 raise ApiError(admitted.status, admitted.reason, admitted.message, retry_after_s=admitted.retry_after_s)
@@ -388,7 +389,16 @@ class Router:
             raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
         except (ValueError, TypeError) as e:
             raise ApiError(400, "invalid_request", f"invalid request: {e}")
+        except Exception as e:  # vLLM's own validators raise VLLMValidationError, not ValueError
+            if not _is_client_error(e):
+                raise
+            raise ApiError(400, "invalid_request", str(e), getattr(e, "parameter", None))
         if kind == "chat":
+            for i, m in enumerate(body.messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise ApiError(400, "invalid_request", f"messages[{i}].role is required: each message is "
+                                                           "an object with a 'role' and its 'content'",
+                                   f"messages[{i}].role")
             from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
 
             try:
@@ -486,7 +496,25 @@ class Router:
             call = dataclasses.replace(call, priority=PriorityClass.BORROWED, borrowed=True)
         return self._pools[pool].generate.remote(call)
 
+    async def _admission(self, gen, pool: str, flight: _Flight) -> Admitted | Rejected:
+        """The pool's verdict on a call. Reaching a replica is bounded by `reach_timeout_s`
+        (no replica: it is restarting or gone); the wait in the pool's queue is not."""
+        try:
+            arrived = await asyncio.wait_for(gen.__anext__(), self._s.router.reach_timeout_s)
+        except asyncio.TimeoutError:
+            gen.cancel()
+            flight.never_ran = True
+            raise ApiError(503, "pool_unavailable", f"no replica of pool {pool!r} answered within "
+                                                    f"{self._s.router.reach_timeout_s:g}s; it may be restarting",
+                           retry_after_s=10)
+        if not isinstance(arrived, Arrived):
+            raise RuntimeError(f"pool {pool!r} broke the stream protocol: {type(arrived).__name__} came first")
+        return await gen.__anext__()
+
     def _raise_engine_error(self, first: Any, flight: _Flight) -> None:
+        if isinstance(first, Refused):
+            flight.never_ran = True
+            raise ApiError(400, first.code, first.message)
         err = getattr(first, "error", None) if not isinstance(first, (list, str)) else None
         if err is not None and hasattr(err, "message"):
             status = int(getattr(err, "code", 400) or 400)
@@ -605,6 +633,14 @@ def _ratelimit_headers(requests: float, tokens: float) -> dict[str, str]:
     if tokens != float("inf"):
         out["x-ratelimit-remaining-tokens"] = str(max(0, int(tokens)))
     return out
+
+
+def _is_client_error(e: Exception) -> bool:
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return False
+    return isinstance(e, VLLMClientError)
 
 
 def _finite(d: dict) -> dict:

@@ -77,7 +77,9 @@ class RouterConfig(Frozen):
     max_ongoing_requests: int = Field(
         4096, ge=1, description="Per router replica; large so that Serve never queues in front of it.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger bodies get 413.")
-    request_timeout_s: float = Field(900.0, gt=0)
+    reach_timeout_s: float = Field(
+        15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
+                                "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")
     admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
                                          description="SHA-256 of the admin key; unset disables /admin.")
     log_prompts: bool = Field(False, description="Log prompt text (off: only sizes and outcomes are logged).")

@@ -65,6 +65,10 @@ def make_app(title: str = "poolserve") -> FastAPI:
         return ApiError(400, "invalid_request", f"{loc}: {first.get('msg', 'invalid')}",
                         str(first.get("loc", [None])[-1])).response()
 
+    @app.exception_handler(ApiError)
+    async def _refused(request: Request, exc: ApiError):  # a refusal raised outside the handlers' own try
+        return exc.response()
+
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)

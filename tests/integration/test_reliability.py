@@ -220,6 +220,7 @@ def _kill(actor) -> None:
 @pytest.mark.disruptive
 def test_pool_replica_killed_mid_stream(stack):
     pool = "offline-batch"
+    stack.wait_idle(pool)
     victim = _replica_actor(f"pool-{pool}")
     events = []
     with httpx.stream("POST", f"{stack.base_url}/offline/v1/completions", timeout=120,
@@ -235,11 +236,19 @@ def test_pool_replica_killed_mid_stream(stack):
     error = json.loads(events[-2][6:])
     assert error["error"]["code"] == "pool_failed" and "incomplete" in error["error"]["message"]
 
+    answers = []  # while the replacement starts, requests get a fast 503 with Retry-After, never a hang
+
     def served():
+        t0 = time.monotonic()
         r = httpx.post(f"{stack.base_url}/offline/v1/completions", headers={"Authorization": f"Bearer {KEYS['batch']}"},
                        json={"prompt": "after the crash", "max_tokens": 4}, timeout=60)
+        answers.append((r.status_code, r.headers.get("retry-after"), time.monotonic() - t0, r.text[:200]))
         return r.status_code == 200
     wait_for(served, 300, interval=3, what="a replacement replica to serve")
+    print(f"\nduring the restart: {[(s, ra, round(t, 1)) for s, ra, t, _ in answers]}")
+    for status, retry_after, took, text in answers[:-1]:
+        assert status == 503 and retry_after and "pool_unavailable" in text, (status, text)
+        assert took < stack.resolved.config.router.reach_timeout_s + 10
     assert _replica_actor(f"pool-{pool}").actor_id != victim.actor_id
     assert stack.client("chat").chat.completions.create(
         model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=2).usage.completion_tokens >= 1

@@ -10,7 +10,7 @@ import pytest
 
 from pools.gate import Ceilings, QueuePolicy
 from pools.server import PoolServer, PoolSettings
-from pools.types import Admitted, Finished, PoolCall, PriorityClass, Rejected, SafeRange
+from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Refused, Rejected, SafeRange
 
 RANGE = SafeRange((1, 2, 4), 1, 4, 100, 10_000)
 
@@ -20,6 +20,7 @@ class FakeEngine:
 
     seen_priorities: list[int] = []
     release = None  # an asyncio.Event that holds streams open when set by a test
+    fail_with: Exception | None = None  # raised before the first chunk, as vLLM's chat rendering does
 
     def __init__(self, llm_config) -> None:
         pass
@@ -29,6 +30,8 @@ class FakeEngine:
 
     async def completions(self, request, raw_request_info=None):
         FakeEngine.seen_priorities.append(request.priority)
+        if FakeEngine.fail_with is not None:
+            raise FakeEngine.fail_with
         if not request.stream:
             yield SimpleNamespace(usage=SimpleNamespace(prompt_tokens=3, completion_tokens=request.max_tokens))
             return
@@ -67,7 +70,10 @@ def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=
 
 
 async def collect(server, c) -> list:
-    return [item async for item in server.generate(c)]
+    """The stream after its `Arrived` marker (which every call yields first)."""
+    items = [item async for item in server.generate(c)]
+    assert isinstance(items[0], Arrived)
+    return items[1:]
 
 
 def test_stream_protocol_and_priority():
@@ -121,6 +127,7 @@ def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
         FakeEngine.release = asyncio.Event()
         server = await make_server()
         gen = server.generate(call(max_tokens=50))
+        assert isinstance(await gen.__anext__(), Arrived)
         assert isinstance(await gen.__anext__(), Admitted)
         task = asyncio.create_task(gen.__anext__())
         await asyncio.sleep(0.01)
@@ -132,3 +139,20 @@ def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
 
     stats = asyncio.run(go())
     assert stats.active == 0 and stats.cancelled == 1 and stats.inflight_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_input_error_inside_the_engine_is_a_refusal_not_an_exception(stream):
+    async def go():
+        FakeEngine.release, FakeEngine.fail_with = None, KeyError("role")
+        try:
+            server = await make_server()
+            return await collect(server, call(stream=stream)), server._gate.gate.stats()
+        finally:
+            FakeEngine.fail_with = None
+
+    items, stats = asyncio.run(go())
+    assert isinstance(items[0], Admitted)
+    refused = [x for x in items if isinstance(x, Refused)]
+    assert len(refused) == 1 and "KeyError" in refused[0].message and "role" in refused[0].message
+    assert stats.active == 0 and stats.inflight_tokens == 0  # the slot is free again
