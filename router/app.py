@@ -34,7 +34,8 @@ from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Re
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient, QuotaExceeded
-from router.policy import BorrowRule, PolicyError, PoolLoad, borrow_decision, choose_pool, resolve_priority
+from router.policy import (BorrowRule, PolicyError, PoolLoad, borrow_decision, choose_pool, queue_surely_full,
+                           resolve_priority)
 from router.quota import Charge, Quota
 from router.tokens import PromptCounter
 
@@ -61,6 +62,7 @@ class PoolRoute:
     start_capacity: int
     default_priority: PriorityClass
     borrow: BorrowRule | None = None
+    queue_slots: int = 0  # the pool's gate queue per replica (`queue.max_queued`); 0: never shed here
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,8 @@ class Router:
         self._views: dict[str, Any] = {}
         self._own = {p: 0 for p in self._routes}
         self._borrowed = {p: 0 for p in self._routes}
+        self._waiting = {p: {c: 0 for c in PriorityClass} for p in self._routes}  # dispatched, not yet admitted
+        self._retry_hint = {p: 1.0 for p in self._routes}  # the pool gate's last Retry-After estimate
         self._refresher: asyncio.Task | None = None
         self._models: dict[str, type] = {}
 
@@ -270,18 +274,26 @@ class Router:
 
     async def _dispatch(self, tenant: TenantConfig, pool: str, call: PoolCall, charge: Charge) -> Response:
         target, borrowed = self._choose(pool, call)
+        if borrowed and self._queue_full(target, PriorityClass.BORROWED):
+            target, borrowed = pool, False
         flight = _Flight(self, tenant, target, borrowed, charge, time.monotonic())
         self._inflight_start(target, borrowed)
         gen = None
         try:
+            if not borrowed and self._queue_full(pool, call.priority):  # the pool would refuse it anyway
+                flight.never_ran = True
+                hint = self._retry_hint[pool]
+                raise ApiError(429, "queue_full", f"pool {pool!r} is overloaded: its queue is full; retry after "
+                                                  f"{retry_after_header(hint)}s", retry_after_s=hint)
             gen = self._start(target, call, borrowed)
-            admitted = await self._admission(gen, target, flight)
+            admitted = await self._admission(gen, target, flight,
+                                             PriorityClass.BORROWED if borrowed else call.priority)
             if isinstance(admitted, Rejected) and borrowed:  # the lender is busy again: go home
                 self._inflight_done(target, True)
                 flight.pool, flight.borrowed = pool, False
                 self._inflight_start(pool, False)
                 gen = self._start(pool, call, False)
-                admitted = await self._admission(gen, pool, flight)
+                admitted = await self._admission(gen, pool, flight, call.priority)
             if isinstance(admitted, Rejected):
                 flight.never_ran = True
                 raise ApiError(admitted.status, admitted.reason, admitted.message, retry_after_s=admitted.retry_after_s)
@@ -383,22 +395,28 @@ class Router:
         from pydantic import ValidationError
 
         model_cls = self._request_model(kind)
-        try:
-            body = model_cls.model_validate(data)
-        except ValidationError as e:
-            raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, "invalid_request", f"invalid request: {e}")
-        except Exception as e:  # vLLM's own validators raise VLLMValidationError, not ValueError
-            if not _is_client_error(e):
-                raise
-            raise ApiError(400, "invalid_request", str(e), getattr(e, "parameter", None))
-        if kind == "chat":
-            for i, m in enumerate(body.messages):
+        if kind == "chat":  # checked first: pydantic's union errors list every message type instead
+            messages = data.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "invalid_request", "messages must be a non-empty list of {role, content} "
+                                                       "objects", "messages")
+            for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                     raise ApiError(400, "invalid_request", f"messages[{i}].role is required: each message is "
                                                            "an object with a 'role' and its 'content'",
                                    f"messages[{i}].role")
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
+        except Exception as e:  # noqa: BLE001 - the body is the only input, so any failure is the body's
+            # vLLM's before-validators raise VLLMValidationError, or crash on a field of the wrong
+            # type (AttributeError on `structured_outputs: 5`, say) before pydantic checks types.
+            if _is_client_error(e) or isinstance(e, (ValueError, TypeError)):
+                raise ApiError(400, "invalid_request", f"invalid request: {e}", getattr(e, "parameter", None))
+            raise ApiError(400, "invalid_request", f"invalid request ({type(e).__name__}: {e}); a field has the "
+                                                   "wrong type: see the schema at /openapi.json")
+        if kind == "chat":
             from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
 
             try:
@@ -496,20 +514,40 @@ class Router:
             call = dataclasses.replace(call, priority=PriorityClass.BORROWED, borrowed=True)
         return self._pools[pool].generate.remote(call)
 
-    async def _admission(self, gen, pool: str, flight: _Flight) -> Admitted | Rejected:
+    async def _admission(self, gen, pool: str, flight: _Flight, cls: PriorityClass) -> Admitted | Rejected:
         """The pool's verdict on a call. Reaching a replica is bounded by `reach_timeout_s`
         (no replica: it is restarting or gone); the wait in the pool's queue is not."""
+        waiting = self._waiting[pool]
+        waiting[cls] += 1
         try:
-            arrived = await asyncio.wait_for(gen.__anext__(), self._s.router.reach_timeout_s)
-        except asyncio.TimeoutError:
-            gen.cancel()
-            flight.never_ran = True
-            raise ApiError(503, "pool_unavailable", f"no replica of pool {pool!r} answered within "
-                                                    f"{self._s.router.reach_timeout_s:g}s; it may be restarting",
-                           retry_after_s=10)
-        if not isinstance(arrived, Arrived):
-            raise RuntimeError(f"pool {pool!r} broke the stream protocol: {type(arrived).__name__} came first")
-        return await gen.__anext__()
+            try:
+                arrived = await asyncio.wait_for(gen.__anext__(), self._s.router.reach_timeout_s)
+            except asyncio.TimeoutError:
+                gen.cancel()
+                flight.never_ran = True
+                reach = self._s.router.reach_timeout_s
+                view = self._views.get(pool)
+                if view is not None and view.fresh:  # it reports, so it is alive: too busy to pick it up
+                    hint = max(self._retry_hint[pool], 5.0)
+                    raise ApiError(429, "pool_busy", f"pool {pool!r} is overloaded: no replica picked the request "
+                                                     f"up within {reach:g}s; retry after {retry_after_header(hint)}s",
+                                   retry_after_s=hint)
+                raise ApiError(503, "pool_unavailable", f"no replica of pool {pool!r} answered within "
+                                                        f"{reach:g}s; it may be restarting", retry_after_s=10)
+            if not isinstance(arrived, Arrived):
+                raise RuntimeError(f"pool {pool!r} broke the stream protocol: {type(arrived).__name__} came first")
+            verdict = await gen.__anext__()
+        finally:
+            waiting[cls] -= 1
+        if isinstance(verdict, Rejected):
+            self._retry_hint[pool] = verdict.retry_after_s
+        return verdict
+
+    def _queue_full(self, pool: str, priority: PriorityClass) -> bool:
+        view = self._views.get(pool)
+        if view is None or not view.fresh:  # unknown: let the pool's gate decide
+            return False
+        return queue_surely_full(self._waiting[pool], priority, self._routes[pool].queue_slots * view.replicas)
 
     def _raise_engine_error(self, first: Any, flight: _Flight) -> None:
         if isinstance(first, Refused):

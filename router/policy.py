@@ -86,3 +86,18 @@ def borrow_decision(home: PoolLoad, target: PoolLoad, rule: BorrowRule) -> tuple
     if target.borrowed_inflight + 1 > int(rule.max_share * target.capacity):
         return False, f"borrowed share at its cap ({rule.max_share:.0%} of {target.capacity})"
     return True, "home saturated, target idle"
+
+
+def queue_surely_full(waiting: dict[PriorityClass, int], priority: PriorityClass, queue_slots: int) -> bool:
+    """Whether a pool's queue is certain to refuse a request of class `priority`, judged from
+    this router's own requests that wait there (`waiting`: dispatched, not yet admitted).
+
+    A gate evicts a strictly less important queued request for a more important one, so only
+    waiting requests at least as important as this one count. The count is a lower bound on
+    the real queue (other router replicas add to it), so this never sheds what the gate
+    would admit; it only spares the pool replica the round trip of a refusal under overload.
+    """
+    if queue_slots <= 0:
+        return False
+    ahead = sum(n for cls, n in waiting.items() if cls <= priority)
+    return ahead >= queue_slots

@@ -77,10 +77,13 @@ def test_fuzz_openapi_no_5xx_and_clear_errors(stack):
 
 # -- overload ----------------------------------------------------------------------------------
 
+PROMPT, OUTPUT = "32", "64"  # long enough that the engine, not per-request overhead, sets the capacity
+
+
 def _capacity(stack) -> float:
-    """Completed requests per second at the pool's current limit, closed loop, short requests."""
+    """Completed requests per second at the pool's current limit, closed loop."""
     run = subprocess.run([sys.executable, "-m", "bench.loadgen", "--url", f"{stack.base_url}/online/v1", "--key",
-                          KEYS["chat"], "--concurrency", "16", "--prompt", "32", "--output", "16", "--warmup", "2",
+                          KEYS["chat"], "--concurrency", "16", "--prompt", PROMPT, "--output", OUTPUT, "--warmup", "2",
                           "--duration", "8"], cwd=REPO, capture_output=True, text=True, timeout=120)
     return json.loads(run.stdout)["req_per_s"]
 
@@ -92,9 +95,10 @@ def _ttft_p50(stack, n: int = 8) -> float:
         with httpx.stream("POST", f"{stack.base_url}/online/v1/completions", timeout=60,
                           headers={"Authorization": f"Bearer {KEYS['chat']}"},
                           json={"prompt": "latency probe", "max_tokens": 8, "stream": True}) as r:
+            assert r.status_code == 200, r.read()
             first = None
-            for line in r.iter_lines():
-                if first is None and '"text":"' in line and '"text":""' not in line:
+            for line in r.iter_lines():  # the first token's chunk (its text may be empty: a partial character)
+                if first is None and line.startswith("data: {") and '"choices":[{' in line:
                     first = time.monotonic() - t0
         out.append(first)
     return statistics.median(out)
@@ -109,16 +113,26 @@ def _overload(stack, seconds: float) -> dict:
     rate = 10 * capacity
     burst = subprocess.Popen(
         [sys.executable, "-m", "bench.loadgen", "--url", f"{stack.base_url}/online/v1", "--key", KEYS["chat"],
-         "--rate", str(rate), "--prompt", "32", "--output", "16", "--warmup", "0", "--duration", str(seconds),
+         "--rate", str(rate), "--prompt", PROMPT, "--output", OUTPUT, "--warmup", "0", "--duration", str(seconds),
          "--timeout", "120"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak_queue, peak_tokens = 0, 0
-    while burst.poll() is None:
-        r = stack.replica(pool)
-        peak_queue = max(peak_queue, sum(r["queued_by_class"].values()))
-        peak_tokens = max(peak_tokens, r["queued_tokens"])
-        time.sleep(0.5)
-    out, err = burst.communicate()
+    peak_queue, peak_tokens, samples = 0, 0, 0
+    try:
+        while burst.poll() is None:
+            try:
+                r = stack.replica(pool)
+            except (httpx.HTTPError, AssertionError):  # a slow admin answer under the burst: sample again
+                continue
+            samples += 1
+            peak_queue = max(peak_queue, sum(r["queued_by_class"].values()))
+            peak_tokens = max(peak_tokens, r["queued_tokens"])
+            time.sleep(0.5)
+        out, err = burst.communicate()
+    finally:
+        if burst.poll() is None:  # never leave a burst running into the next test
+            burst.kill()
+            burst.communicate()
+    assert samples >= 3, "the queue was never observed during the burst"
     assert burst.returncode == 0, err[-2000:]
     res = json.loads(out)
     stack.wait_idle(pool)
@@ -126,7 +140,7 @@ def _overload(stack, seconds: float) -> dict:
     figures = {"capacity_req_s": capacity, "offered_req_s": rate, "seconds": seconds, "sent": res["requests"],
                "completed": res["completed"], "statuses": res["statuses"],
                "rejected_without_retry_after": res["rejected_without_retry_after"],
-               "peak_queue": peak_queue, "peak_queued_tokens": peak_tokens,
+               "peak_queue": peak_queue, "peak_queued_tokens": peak_tokens, "queue_samples": samples,
                "ttft_p50_before_ms": before * 1e3, "ttft_p50_after_ms": after * 1e3}
     print(f"\noverload: {json.dumps(figures)}")
     return figures
@@ -236,7 +250,7 @@ def test_pool_replica_killed_mid_stream(stack):
     error = json.loads(events[-2][6:])
     assert error["error"]["code"] == "pool_failed" and "incomplete" in error["error"]["message"]
 
-    answers = []  # while the replacement starts, requests get a fast 503 with Retry-After, never a hang
+    answers = []  # while the replacement starts, requests get a fast refusal with Retry-After, never a hang
 
     def served():
         t0 = time.monotonic()
@@ -247,7 +261,9 @@ def test_pool_replica_killed_mid_stream(stack):
     wait_for(served, 300, interval=3, what="a replacement replica to serve")
     print(f"\nduring the restart: {[(s, ra, round(t, 1)) for s, ra, t, _ in answers]}")
     for status, retry_after, took, text in answers[:-1]:
-        assert status == 503 and retry_after and "pool_unavailable" in text, (status, text)
+        # 503 once the dead replica's reports are stale; 429 pool_busy in the seconds before that
+        assert (status, retry_after is not None) in ((503, True), (429, True)), (status, text)
+        assert "pool_unavailable" in text or "pool_busy" in text, text
         assert took < stack.resolved.config.router.reach_timeout_s + 10
     assert _replica_actor(f"pool-{pool}").actor_id != victim.actor_id
     assert stack.client("chat").chat.completions.create(

@@ -57,3 +57,15 @@ RULE = BorrowRule(into="online", max_share=0.25, while_below_utilisation=0.5)
 def test_borrow_decision(home, target, expected, why):
     ok, reason = borrow_decision(home, target, RULE)
     assert ok is expected and why in reason
+
+
+def test_queue_surely_full_counts_only_requests_at_least_as_important():
+    from router.policy import queue_surely_full
+
+    I, S, B, BR = P.INTERACTIVE, P.STANDARD, P.BATCH, P.BORROWED
+    waiting = {I: 1, S: 2, B: 5, BR: 4}
+    assert queue_surely_full(waiting, B, 8)  # 1 + 2 + 5 ahead of or beside a batch request
+    assert not queue_surely_full(waiting, S, 8)  # it would evict queued batch work: let the gate decide
+    assert not queue_surely_full(waiting, I, 2)
+    assert queue_surely_full(waiting, BR, 12)
+    assert not queue_surely_full(waiting, B, 0)  # no queue known: never shed at the router
