@@ -80,6 +80,7 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Gate outcomes", "reqps", [
             ('sum by (pool) (rate(ray_poolserve_admitted_total[1m]))', "{{pool}} admitted"),
             ('sum by (pool, reason) (rate(ray_poolserve_rejected_total[1m]))', "{{pool}} rejected {{reason}}"),
+            ('sum by (pool, reason) (rate(ray_poolserve_shed_total[1m]))', "{{pool}} shed by the router {{reason}}"),
             ('sum by (pool) (rate(ray_poolserve_cancelled_total[1m]))', "{{pool}} cancelled"),
             ('sum by (pool, into) (rate(ray_poolserve_borrowed_total[1m]))', "{{pool}} borrowed into {{into}}")]),
     ]),

@@ -37,6 +37,7 @@ NAMES = {
     "router_requests": "poolserve_router_requests_total",
     "borrowed": "poolserve_borrowed_total",
     "quota_rejections": "poolserve_quota_rejections_total",
+    "shed": "poolserve_shed_total",
     "tenant_tokens": "poolserve_tenant_tokens_total",
     "quota_remaining_tokens": "poolserve_quota_remaining_tokens",
     "quota_remaining_requests": "poolserve_quota_remaining_requests",
@@ -145,6 +146,8 @@ class RouterMetrics:
                                   ("pool", "into", "tenant")),
             "quota_rejections": m.Counter(NAMES["quota_rejections"], "Requests refused by a tenant quota",
                                           ("tenant", "limit")),
+            "shed": m.Counter(NAMES["shed"], "Requests the router refused for a pool that could not take them "
+                                             "(queue_full, pool_busy, pool_unavailable)", ("pool", "tenant", "reason")),
             "tenant_tokens": m.Counter(NAMES["tenant_tokens"], "Tokens used per tenant",
                                        ("tenant", "pool", "kind")),
             "quota_remaining_tokens": m.Gauge(NAMES["quota_remaining_tokens"],
@@ -158,6 +161,9 @@ class RouterMetrics:
 
     def borrowed(self, pool: str, into: str, tenant: str) -> None:
         self._m["borrowed"].inc(1, {"pool": pool, "into": into, "tenant": tenant})
+
+    def shed(self, pool: str, tenant: str, reason: str) -> None:
+        self._m["shed"].inc(1, {"pool": pool, "tenant": tenant, "reason": reason})
 
     def quota_rejected(self, tenant: str, limit: str) -> None:
         self._m["quota_rejections"].inc(1, {"tenant": tenant, "limit": limit})

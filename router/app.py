@@ -87,6 +87,7 @@ class _Flight:
     started: float
     usage: Usage | None = None  # the engine's, when the request ran to its end
     never_ran: bool = False  # refused by a gate or the engine: refund the whole charge
+    shed: str | None = None  # refused by the router on the pool's behalf: the reason
     status: int = 200
     closed: bool = False
 
@@ -99,6 +100,8 @@ class _Flight:
         self.router._quota.finish(self.charge, used)
         m = self.router._metrics
         m.request(self.pool, self.tenant.name, self.status)
+        if self.shed:
+            m.shed(self.pool, self.tenant.name, self.shed)
         u = self.usage or Usage(0, 0)
         if self.usage is not None:
             m.tokens(self.tenant.name, self.pool, u.prompt_tokens, u.completion_tokens)
@@ -281,7 +284,7 @@ class Router:
         gen = None
         try:
             if not borrowed and self._queue_full(pool, call.priority):  # the pool would refuse it anyway
-                flight.never_ran = True
+                flight.never_ran, flight.shed = True, "queue_full"
                 hint = self._retry_hint[pool]
                 raise ApiError(429, "queue_full", f"pool {pool!r} is overloaded: its queue is full; retry after "
                                                   f"{retry_after_header(hint)}s", retry_after_s=hint)
@@ -527,7 +530,9 @@ class Router:
                 flight.never_ran = True
                 reach = self._s.router.reach_timeout_s
                 view = self._views.get(pool)
-                if view is not None and view.fresh:  # it reports, so it is alive: too busy to pick it up
+                alive = view is not None and view.fresh  # it reports, so it is alive: too busy to pick it up
+                flight.shed = "pool_busy" if alive else "pool_unavailable"
+                if alive:
                     hint = max(self._retry_hint[pool], 5.0)
                     raise ApiError(429, "pool_busy", f"pool {pool!r} is overloaded: no replica picked the request "
                                                      f"up within {reach:g}s; retry after {retry_after_header(hint)}s",
