@@ -101,7 +101,10 @@ class Stack:
 
 
 @contextmanager
-def ray_cluster(num_cpus: int = 8, metrics_port: int = 8080) -> Iterator[None]:
+def ray_cluster(num_cpus: int = 16, metrics_port: int = 8080) -> Iterator[None]:
+    """A local Ray for one benchmark run. `num_cpus` is logical: it must hold poolserve's two
+    pools and the stock two pools side by side (each engine's placement group asks for 2);
+    the engines are pinned to the real cores by `VLLM_CPU_OMP_THREADS_BIND`."""
     import ray
     from ray import serve
 
