@@ -246,10 +246,12 @@ def _client(outstanding: int, timeout_s: float = 600) -> httpx.AsyncClient:
 
 
 async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window: Window, seed: int = 0,
-                      max_requests: int | None = None, abandon: bool = False) -> "Run":
-    """`concurrency` workers, each sending its next request as soon as the last ends. With
-    `abandon`, the requests still running when the window ends are cancelled (the server
-    sees the disconnects) instead of awaited."""
+                      max_requests: int | None = None, abandon: bool = False,
+                      stop: asyncio.Event | None = None) -> "Run":
+    """`concurrency` workers, each sending its next request as soon as the last ends, until
+    the window ends, `max_requests` were sent or `stop` is set. With `abandon`, the requests
+    still running when the window ends are cancelled (the server sees the disconnects)
+    instead of awaited."""
     rng = random.Random(seed)
     results: list[Result] = []
     t0 = time.monotonic()
@@ -258,7 +260,8 @@ async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window
 
     async def worker(client):
         nonlocal sent
-        while time.monotonic() < end and (max_requests is None or sent < max_requests):
+        while time.monotonic() < end and (max_requests is None or sent < max_requests) \
+                and not (stop and stop.is_set()):
             sent += 1
             p, o = lengths.sample(rng)
             results.append(await send(client, target, make_prompt(p, rng), o))
