@@ -9,7 +9,8 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
   1. fail-static: no fresh snapshot -> hold;
   2. a target outside the safe range is clamped into it at once (safety beats cooldown);
   3. pressure down: P99 engine TTFT or P99 TPOT above the SLO (with enough samples),
-     KV usage above the watermark, or new preemptions;
+     KV usage above the watermark, or new preemptions; but a TTFT breach while a queue
+     persists holds instead (see below);
   4. pressure up: a queue (or rejections) that persisted for `queue_persist_ticks`
      ticks while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
@@ -18,7 +19,12 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
 
 The TTFT compared with the SLO is measured from admission to first token: time spent
 in the gate's queue says "too little capacity", not "batch too large", and is the
-reason to step up, not down.
+reason to step up, not down. And while a queue persists, a smaller batch cannot lower the
+TTFT a client sees: the engine's share shrinks a little, the queue's grows by what the
+lost throughput no longer serves. A benchmark once showed it: a TTFT breach from CPU
+contention stepped the online pool 16 -> 1 under a standing queue, and its TTFT P50 went
+to 110 s against 8 s held at 16. So an engine TTFT breach steps down only when nothing
+waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
 """
 
 from __future__ import annotations
@@ -89,7 +95,9 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preem
               queue_ticks: int) -> tuple[int, str, str]:
     enough = snap.samples >= cfg.min_samples
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
-    if enough and ttft is not None and ttft > cfg.ttft_slo_s:
+    queue_persists = queue_ticks >= cfg.queue_persist_ticks
+    ttft_breach = enough and ttft is not None and ttft > cfg.ttft_slo_s
+    if ttft_breach and not queue_persists:
         return -1, "slo_ttft", f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms"
     if enough and tpot is not None and tpot > cfg.tpot_slo_s:
         return -1, "slo_tpot", f"P99 TPOT {tpot * 1e3:.1f} ms above SLO {cfg.tpot_slo_s * 1e3:.1f} ms"
@@ -97,7 +105,11 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preem
         return -1, "kv", f"KV usage {snap.kv_usage:.0%} above watermark {cfg.kv_watermark:.0%}"
     if new_preempts > 0:
         return -1, "preemption", f"{new_preempts} preemptions"
-    waiting = queue_ticks >= cfg.queue_persist_ticks or new_rejects > 0
+    if ttft_breach:
+        return 0, "slo_ttft_queued", (f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms "
+                                      f"with a queue of {snap.queued} for {queue_ticks} ticks: "
+                                      "a smaller batch would lengthen the wait")
+    waiting = queue_persists or new_rejects > 0
     if not waiting:
         return 0, "idle", "no persistent queue"
     headroom_ok = (

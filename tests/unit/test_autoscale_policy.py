@@ -28,6 +28,14 @@ CASES = [
     ("calm holds", CALM, PolicyState(8), 8, "hold", "idle"),
     ("ttft breach steps down", snap(ttft_p99_s=1.5), PolicyState(8), 4, "down", "slo_ttft"),
     ("tpot breach steps down", snap(tpot_p99_s=0.2), PolicyState(8), 4, "down", "slo_tpot"),
+    ("ttft breach with a queue for one tick still steps down", snap(ttft_p99_s=1.5, queued=5), PolicyState(8), 4,
+     "down", "slo_ttft"),
+    ("ttft breach under a standing queue holds", snap(ttft_p99_s=1.5, queued=5), PolicyState(8, queue_ticks=1), 8,
+     "hold", "slo_ttft_queued"),
+    ("tpot breach under a standing queue still steps down", snap(tpot_p99_s=0.2, ttft_p99_s=1.5, queued=5),
+     PolicyState(8, queue_ticks=1), 4, "down", "slo_tpot"),
+    ("kv above watermark under a standing queue steps down", snap(kv_usage=0.95, ttft_p99_s=1.5, queued=5),
+     PolicyState(8, queue_ticks=3), 4, "down", "kv"),
     ("few samples cannot prove a breach", snap(ttft_p99_s=5, samples=3), PolicyState(8), 8, "hold", "idle"),
     ("kv above watermark steps down", snap(kv_usage=0.95), PolicyState(8), 4, "down", "kv"),
     ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
@@ -83,6 +91,21 @@ def test_square_wave_over_1000_ticks_respects_cooldown_and_range():
     assert reversals and all(g >= CFG.reversal_cooldown_s for g in reversals)
     assert len(change_times) <= 1000 * tick_s / CFG.cooldown_s
     assert len(change_times) > 10  # it did follow the load
+
+
+def test_contention_under_a_standing_queue_does_not_ratchet_the_limit_down():
+    """Another engine on the same cores keeps this pool's engine TTFT above the SLO whatever
+    its batch; a queue stands. One step down before the queue counts as standing, then the
+    limit holds instead of falling to the bottom of the range."""
+    state = PolicyState(target=16)
+    reasons = []
+    for i in range(200):
+        _, state, reason = decide(snap(ttft_p99_s=3.0, queued=40), state, CFG, NOW + 5 * i)
+        reasons.append(reason)
+    assert (reasons[0].action, reasons[0].code) == ("down", "slo_ttft")
+    assert all(r.action == "hold" for r in reasons[1:])
+    assert {r.code for r in reasons[10:]} == {"slo_ttft_queued"}
+    assert state.target == 8
 
 
 def test_stale_stats_hold_forever():
