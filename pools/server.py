@@ -29,6 +29,7 @@ from typing import Any, AsyncGenerator
 from ray import serve
 from ray.serve.llm import LLMServer
 
+from pools import reaper
 from pools.admission import AsyncGate, GateRejected
 from pools.config import Fingerprint
 from pools.engine import StatsBox, hardware_name, pool_engine_cls
@@ -130,6 +131,7 @@ class PoolServer(LLMServer):
         self._stale_reason = ""
         self._reporter: asyncio.Task | None = None
         await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
+        self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         await self._warm_up()
         self._stale_reason = self._check_profile()
         if self._stale_reason:

@@ -19,6 +19,7 @@ import uuid
 import httpx
 import pytest
 
+from pools import reaper
 from tests.integration.conftest import ADMIN, KEYS, REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -236,6 +237,8 @@ def test_pool_replica_killed_mid_stream(stack):
     pool = "offline-batch"
     stack.wait_idle(pool)
     victim = _replica_actor(f"pool-{pool}")
+    engines = reaper.engine_children(victim.pid)  # vLLM's engine core, a child of the replica
+    assert engines, "no engine process found under the pool replica"
     events = []
     with httpx.stream("POST", f"{stack.base_url}/offline/v1/completions", timeout=120,
                       headers={"Authorization": f"Bearer {KEYS['batch']}"},
@@ -249,6 +252,8 @@ def test_pool_replica_killed_mid_stream(stack):
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])
     assert error["error"]["code"] == "pool_failed" and "incomplete" in error["error"]["message"]
+    # the killed replica's engine processes do not outlive it (each holds GBs of KV cache and a core)
+    wait_for(lambda: not any(reaper.alive(*e) for e in engines), 30, what="the engine processes to stop")
 
     answers = []  # while the replacement starts, requests get a fast refusal with Retry-After, never a hang
 
