@@ -13,7 +13,12 @@ class AutoscaleConfig(Frozen):
     cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change.")
     reversal_cooldown_s: float = Field(90.0, ge=0, description="Minimum time before reversing direction.")
     stats_max_age_s: float = Field(10.0, gt=0, description="Older reports count as missing: hold.")
-    latency_window_s: float = Field(30.0, gt=0)
+    latency_window_s: float = Field(
+        30.0, gt=0, description="P99s are over the requests that finished in this many seconds; a move that rests on "
+                                "latency waits this long after a change, so that its evidence postdates it.")
+    min_step_gain: float = Field(
+        0.1, ge=0, lt=1, description="A second step down for the same SLO breach needs the first to have lowered "
+                                     "that P99 by this fraction; otherwise the limit holds.")
     min_samples: int = Field(5, ge=1, description="Fewer latency samples than this cannot prove an SLO breach.")
     kv_watermark: float = Field(0.9, gt=0, le=1)
     headroom: float = Field(0.7, gt=0, lt=1, description="Step up only while P99s are below headroom x SLO.")

@@ -146,6 +146,7 @@ class Controller:
             safe_range=self.allowed(p.spec.name), ttft_slo_s=p.spec.ttft_slo_s, tpot_slo_s=p.spec.tpot_slo_s,
             cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
             headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
+            settle_s=c.latency_window_s, min_step_gain=c.min_step_gain,
         )
 
     # -- views -------------------------------------------------------------------

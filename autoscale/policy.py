@@ -15,7 +15,14 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      ticks while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
-     change the other way; it is one ladder step and never leaves the range.
+     change the other way; it is one ladder step and never leaves the range;
+  7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
+     `settle_s` after any change, the span the P99s are computed over, so that its
+     evidence was measured at the current limit and not the one before;
+  8. a second step down for the same SLO breach needs the first to have helped: the
+     breaching P99 `min_step_gain` lower than when the limit last stepped down for it.
+     If it did not, the batch is not what drives it (another engine on the same cores,
+     a burst of long prompts) and the limit holds instead of ratcheting to the bottom.
 
 The TTFT compared with the SLO is measured from admission to first token: time spent
 in the gate's queue says "too little capacity", not "batch too large", and is the
@@ -69,6 +76,8 @@ class PolicyState:
     queue_ticks: int = 0
     seen_rejected: int | None = None
     seen_preemptions: int | None = None
+    down_code: str = ""  # the SLO breach that last stepped the limit down, while it lasts
+    down_level: float = 0.0  # its P99 (s) then
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,16 @@ class PolicyConfig:
     headroom: float
     queue_persist_ticks: int
     min_samples: int
+    settle_s: float = 0.0
+    min_step_gain: float = 0.1
+
+    def breach(self, snap: PoolSnapshot, code: str) -> float | None:
+        """The P99 (s) behind an SLO code, when it is above its SLO with enough samples."""
+        if snap.samples < self.min_samples:
+            return None
+        value, slo = {"slo_ttft": (snap.ttft_p99_s, self.ttft_slo_s),
+                      "slo_tpot": (snap.tpot_p99_s, self.tpot_slo_s)}.get(code, (None, 0.0))
+        return value if value is not None and value > slo else None
 
 
 def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
@@ -140,10 +159,13 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     queue_ticks = state.queue_ticks + 1 if snap.queued > 0 else 0
     state = replace(state, queue_ticks=queue_ticks, seen_rejected=snap.rejected_total,
                     seen_preemptions=snap.preemptions_total)
+    if state.down_code and cfg.breach(snap, state.down_code) is None:
+        state = replace(state, down_code="", down_level=0.0)  # that breach is over
 
     direction, code, why = _pressure(snap, cfg, new_rejects, new_preempts, queue_ticks)
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
+    level = cfg.breach(snap, code) if direction < 0 else None
     nxt = _step(steps, state.target, direction)
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
@@ -156,5 +178,15 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
             kind = "reversal_cooldown" if reversing else "cooldown"
             return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "
                                                              f"wants {'up' if direction > 0 else 'down'}: {why}")
+        if (direction > 0 or level is not None) and waited < cfg.settle_s:
+            return state.target, state, Reason("hold", "settling", f"P99s still include requests from before the "
+                                                                   f"last change ({cfg.settle_s - waited:.0f}s left); "
+                                                                   f"wants {'up' if direction > 0 else 'down'}: {why}")
+    if level is not None and state.down_code == code and level > state.down_level * (1 - cfg.min_step_gain):
+        return state.target, state, Reason(
+            "hold", "step_ineffective", f"{why}, but it was {state.down_level * 1e3:.0f} ms before the last step "
+                                        f"down: a smaller batch does not lower it")
     moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0)
+    if level is not None:
+        moved = replace(moved, down_code=code, down_level=level)
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

@@ -57,6 +57,15 @@ CASES = [
      "down", "slo_ttft"),
     ("outside the range is clamped", CALM, PolicyState(32), 16, "clamp", "range"),
     ("off-ladder target steps to the ladder", snap(queued=5), PolicyState(5, queue_ticks=3), 8, "up", "queue"),
+    ("a step down that did not help holds", snap(tpot_p99_s=0.19),
+     PolicyState(8, last_change_at=NOW - 100, last_direction=-1, down_code="slo_tpot", down_level=0.2), 8,
+     "hold", "step_ineffective"),
+    ("a step down that helped steps again", snap(tpot_p99_s=0.15),
+     PolicyState(8, last_change_at=NOW - 100, last_direction=-1, down_code="slo_tpot", down_level=0.2), 4,
+     "down", "slo_tpot"),
+    ("another breach is judged on its own", snap(ttft_p99_s=1.5),
+     PolicyState(8, last_change_at=NOW - 100, last_direction=-1, down_code="slo_tpot", down_level=0.2), 4,
+     "down", "slo_ttft"),
 ]
 
 
@@ -91,6 +100,52 @@ def test_square_wave_over_1000_ticks_respects_cooldown_and_range():
     assert reversals and all(g >= CFG.reversal_cooldown_s for g in reversals)
     assert len(change_times) <= 1000 * tick_s / CFG.cooldown_s
     assert len(change_times) > 10  # it did follow the load
+
+
+SETTLE = replace(CFG, settle_s=45)
+
+
+@pytest.mark.parametrize("since, snapshot, action, code", [
+    (35, snap(ttft_p99_s=1.5), "hold", "settling"),  # past the cooldown, not the settle time
+    (50, snap(ttft_p99_s=1.5), "down", "slo_ttft"),
+    (35, snap(queued=5), "hold", "settling"),  # up rests on latency headroom too
+    (35, snap(kv_usage=0.95), "down", "kv"),  # KV is read now, not over a window
+])
+def test_latency_moves_wait_until_the_window_postdates_the_change(since, snapshot, action, code):
+    state = PolicyState(8, last_change_at=NOW - since, queue_ticks=3)
+    _, _, reason = decide(snapshot, state, SETTLE, NOW)
+    assert (reason.action, reason.code) == (action, code), reason.text
+
+
+def test_breach_memory_ends_with_the_breach():
+    state = PolicyState(8, down_code="slo_tpot", down_level=0.2)
+    _, state, _ = decide(CALM, state, CFG, NOW)
+    assert state.down_code == "" and state.down_level == 0.0
+
+
+def test_a_step_down_records_the_breach_it_answered():
+    _, state, reason = decide(snap(tpot_p99_s=0.2), PolicyState(16), CFG, NOW)
+    assert reason.action == "down" and (state.down_code, state.down_level) == ("slo_tpot", 0.2)
+
+
+def test_contention_the_batch_does_not_drive_costs_one_step_only():
+    """Another engine on the same cores keeps TPOT at 120 ms whatever this pool's limit: the
+    limit steps down once, sees no gain, and holds there instead of falling to the bottom."""
+    state, targets = PolicyState(target=16), []
+    for i in range(300):
+        new, state, reason = decide(snap(tpot_p99_s=0.12), state, SETTLE, NOW + 5 * i)
+        targets.append(new)
+    assert set(targets) == {8}
+    assert reason.code == "step_ineffective"
+
+
+def test_a_breach_the_batch_drives_is_followed_down():
+    """TPOT that halves with the limit: steps down until it meets the SLO."""
+    state = PolicyState(target=16)
+    for i in range(300):
+        _, state, _ = decide(snap(tpot_p99_s=0.2 * state.target / 16), state, SETTLE, NOW + 5 * i)
+    assert state.target == 8 or state.target == 4
+    assert 0.2 * state.target / 16 <= CFG.tpot_slo_s
 
 
 def test_contention_under_a_standing_queue_does_not_ratchet_the_limit_down():
