@@ -159,7 +159,7 @@ def router_settings(resolved: Resolved):
             name=name, prefix=rp.config.route_prefix.lstrip("/"),
             start_capacity=rp.start_seqs * max(1, rp.config.replicas.min),
             default_priority=PriorityClass.parse(rp.config.default_priority),
-            borrow=BorrowRule(b.into, b.max_share, b.while_below_utilisation) if b else None,
+            borrow=BorrowRule(b.into, b.max_share, b.while_below_utilisation, b.after_quiet_s) if b else None,
             queue_slots=rp.config.queue.max_queued,
         ))
     return RouterSettings(c.model.id, resolved.model_source, c.model.max_model_len, c.router, c.tenants,

@@ -132,6 +132,9 @@ class BorrowConfig(Frozen):
     max_share: float = Field(gt=0, le=1, description="Share of the target's limit borrowed work may use.")
     while_below_utilisation: float = Field(gt=0, le=1, description="Borrow only while the target's own load "
                                                                    "is below this share of its capacity.")
+    after_quiet_s: float = Field(5.0, ge=0, description="Borrow only once the target has had no request of its own "
+                                                        "for this long: light chat is not idle chat, and a borrowed "
+                                                        "request runs to its end in the target's batch.")
 
 
 class TrafficSample(Frozen):

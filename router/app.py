@@ -145,6 +145,7 @@ class Router:
         self._metrics = RouterMetrics()
         self._views: dict[str, Any] = {}
         self._own = {p: 0 for p in self._routes}
+        self._own_seen = {p: float("-inf") for p in self._routes}  # when a pool last had its own work here
         self._borrowed = {p: 0 for p in self._routes}
         self._waiting = {p: {c: 0 for c in PriorityClass} for p in self._routes}  # dispatched, not yet admitted
         self._retry_hint = {p: 1.0 for p in self._routes}  # the pool gate's last Retry-After estimate
@@ -508,9 +509,11 @@ class Router:
 
     def _load(self, pool: str) -> PoolLoad:
         view = self._views.get(pool)
+        quiet = 0.0 if self._own[pool] else time.monotonic() - self._own_seen[pool]
         if view is None or not view.fresh:
-            return PoolLoad(self._routes[pool].start_capacity, self._own[pool], self._borrowed[pool])
-        return PoolLoad(view.capacity, self._own[pool], self._borrowed[pool], view.active + view.queued, view.queued)
+            return PoolLoad(self._routes[pool].start_capacity, self._own[pool], self._borrowed[pool], quiet_s=quiet)
+        return PoolLoad(view.capacity, self._own[pool], self._borrowed[pool], view.active + view.queued, view.queued,
+                        quiet)
 
     def _start(self, pool: str, call: PoolCall, borrowed: bool):
         if borrowed:
@@ -627,6 +630,8 @@ class Router:
 
     def _inflight_done(self, pool: str, borrowed: bool) -> None:
         (self._borrowed if borrowed else self._own)[pool] -= 1
+        if not borrowed:
+            self._own_seen[pool] = time.monotonic()
 
     def _ensure_background(self) -> None:
         if self._refresher is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,6 +82,8 @@ def test_named_metrics_exist_and_move(stack):
     statuses = [_chat(stack, "limited", max_tokens=300, stream=False).status_code for _ in range(8)]
     assert 429 in statuses
     with stack.pinned("offline-batch", 8, calibrating=False), stack.pinned("online-chat", 8, calibrating=False):
+        stack.wait_idle("online-chat")
+        time.sleep(1.5)  # borrow.after_quiet_s
         with ThreadPoolExecutor(24) as ex:
             assert all(r.status_code == 200 for r in ex.map(lambda _: _offline(stack), range(24)))
     with stack.pinned("online-chat", 1):

@@ -138,6 +138,7 @@ def _offline(stack, max_tokens=64, stream=False) -> tuple[str, bool]:
 def test_borrowing_while_online_idle_and_stopping_when_chat_arrives(stack):
     with stack.pinned("offline-batch", 8, calibrating=False), stack.pinned("online-chat", 8, calibrating=False):
         stack.wait_idle("online-chat")
+        time.sleep(1.5)  # borrow.after_quiet_s: idle, not merely between two chats
         with ThreadPoolExecutor(max_workers=32) as ex:
             idle_phase = list(ex.map(lambda _: _offline(stack), range(32)))
         borrowed = [p for p, b in idle_phase if b]

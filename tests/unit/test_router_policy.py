@@ -59,6 +59,20 @@ def test_borrow_decision(home, target, expected, why):
     assert ok is expected and why in reason
 
 
+QUIET = BorrowRule(into="online", max_share=0.25, while_below_utilisation=0.5, after_quiet_s=5)
+
+
+@pytest.mark.parametrize("target, expected, why", [
+    (PoolLoad(16, 0, quiet_s=6.0), True, "home saturated"),
+    (PoolLoad(16, 0, quiet_s=2.0), False, "own traffic 2.0s ago"),  # light chat between two requests
+    (PoolLoad(16, 1, quiet_s=0.0), False, "own traffic 0.0s ago"),  # a chat in flight
+    (PoolLoad(16, 0), True, "home saturated"),  # never had traffic of its own
+])
+def test_borrowing_waits_for_the_target_to_be_quiet(target, expected, why):
+    ok, reason = borrow_decision(PoolLoad(16, 20), target, QUIET)
+    assert ok is expected and why in reason
+
+
 def test_queue_surely_full_counts_only_requests_at_least_as_important():
     from router.policy import queue_surely_full
 
