@@ -27,10 +27,10 @@ from bench.common import KEYS, deploy, local_config, ray_cluster, write_result
 from bench.loadgen import Target, Window, _client, closed_loop, make_prompt, send, summarize, synthetic_lengths
 
 CONCURRENCY = 8
-ROUNDS = 3
+ROUNDS = 2
 WINDOW = Window(warmup_s=2, measure_s=10)
 LENGTHS = synthetic_lengths(prompt=128, output=64)
-PAIRS = 120
+PAIRS = 100
 PAIR_LENGTHS = (128, 8)
 
 

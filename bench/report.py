@@ -133,7 +133,8 @@ def mixed_section(d: dict) -> list[str]:
         "## Mixed online and offline load (`bench/mixed.py`)", "",
         f"Online: {s['online']}. Offline: {s['offline']}. Phases (s): {s['phases_s']}; an online request with no "
         f"token after {s['online_timeout_s']} s counts with that TTFT (a lower bound). The contention floor is the "
-        f"stock two pools with only {s['floor_streams']} offline streams. Whole run {d['wall_s']} s. {_machine(d)}",
+        f"stock two pools with only {s['floor_streams']} offline streams. Single pools: "
+        f"{s.get('single_pools', 'one engine each')}. Whole run {d['wall_s']} s. {_machine(d)}",
         "",
         "| set-up | online P50 / P99 TTFT alone (ms) | online P50 / P99 TTFT with offline (ms) | "
         "online P99 TPOT with offline (ms) | online goodput with offline (req/s) | online timeouts | "
