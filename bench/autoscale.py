@@ -20,7 +20,7 @@ import time
 from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
 
 POOL = "online-chat"
-PHASES = (("low", 1.0, 12), ("high", 5.0, 25), ("low-again", 1.0, 12))  # (name, req/s, seconds)
+PHASES = (("low", 1.0, 10), ("high", 5.0, 25), ("low-again", 1.0, 10))  # (name, req/s, seconds)
 
 
 def _phase(rate: float, seconds: float, slo, seed: int) -> dict:

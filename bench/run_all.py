@@ -1,7 +1,7 @@
-"""`make bench`: the overhead, autoscaler and mixed benchmarks in one run (one Ray cluster, one
-poolserve deployment shared by the first three measurements), then docs/benchmarks.md.
+"""`make bench`: the autoscaler, mixed and overhead benchmarks in one run (one Ray cluster, one
+poolserve deployment, three engine starts for the baselines), then docs/benchmarks.md.
 
-    python -m bench.run_all      # about 15 minutes on the 2-core box
+    python -m bench.run_all      # under 15 minutes on the 2-core box
 """
 
 from __future__ import annotations
@@ -12,21 +12,27 @@ from bench import autoscale, mixed, overhead, report
 from bench.common import deploy, local_config, ray_cluster, write_result
 
 
+def _all_idle(stack) -> bool:
+    return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0
+               for pool in stack.admin("GET", "/admin/pools").json().values() for r in pool["replicas"])
+
+
 def main() -> None:
     started = time.monotonic()
     with ray_cluster():
         stack = deploy(local_config())
-        two_pools = mixed.setup_two_pools("/stock")  # beside poolserve: the overhead baseline only
-        write_result("overhead", overhead.run(stack, overhead.direct_target(two_pools.online_url)))
-        # From here on each set-up runs with only its own engines on the two cores (a run that
-        # kept these deployed measured every set-up several times slower; see bench/notes.md).
-        mixed._teardown("stock")
         write_result("autoscale", autoscale.run(stack))
-        stack.wait(lambda: autoscale._idle(stack), 300)
+        stack.wait(lambda: _all_idle(stack), 300)
         results = {"poolserve": mixed.run_setup("poolserve", mixed.Endpoints(
             **{**mixed.POOLSERVE.__dict__, "admin": stack}))}
+        stack.wait(lambda: _all_idle(stack), 300)
+        # The stock two pools, deployed beside poolserve: the overhead baseline, then (once
+        # poolserve is gone, so that each set-up runs with only its own engines on the two
+        # cores) the stock set-up of the mixed benchmark.
+        two_pools = mixed.setup_two_pools("/stock")
+        write_result("overhead", overhead.run(stack, overhead.direct_target(two_pools.online_url)))
         mixed._teardown("poolserve")
-        results["stock-two-pools"], floor = mixed.run_two_pools(mixed.setup_two_pools())
+        results["stock-two-pools"], floor = mixed.run_two_pools(two_pools)
         results.update(mixed.run_single_pools())
         write_result("mixed", mixed.report(results, floor, time.monotonic() - started))
     report.main()
