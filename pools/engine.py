@@ -113,6 +113,16 @@ def _recorder_cls(box: StatsBox):
     return _Recorder
 
 
+def vllm_client_errors() -> tuple[type[BaseException], ...]:
+    """vLLM's own exception for bad input (its validators raise it), or nothing when vLLM is
+    not installed (the pure tests)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ()
+    return (VLLMClientError,)
+
+
 def pool_engine_cls():
     """VLLMEngine with a StatsBox; a factory so that importing this module needs no vLLM."""
     from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine

@@ -32,7 +32,7 @@ from ray.serve.llm import LLMServer
 from pools import reaper
 from pools.admission import AsyncGate, GateRejected
 from pools.config import Fingerprint
-from pools.engine import StatsBox, hardware_name, pool_engine_cls
+from pools.engine import StatsBox, hardware_name, pool_engine_cls, vllm_client_errors
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
 from pools.logs import configure_logging
 from pools.metrics import PoolMetrics
@@ -95,11 +95,7 @@ def _usage_chunk(item: str) -> Usage | None:
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # the pure tests run without vLLM
-        return KeyError, TypeError, ValueError
-    return KeyError, TypeError, ValueError, VLLMClientError
+    return KeyError, TypeError, ValueError, *vllm_client_errors()
 
 
 async def _refusing(stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:

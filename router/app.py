@@ -28,6 +28,7 @@ from typing import Any, AsyncGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pools.engine import vllm_client_errors
 from pools.logs import configure_logging
 from pools.metrics import RouterMetrics
 from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Refused, Rejected, Usage
@@ -416,7 +417,7 @@ class Router:
         except Exception as e:  # noqa: BLE001 - the body is the only input, so any failure is the body's
             # vLLM's before-validators raise VLLMValidationError, or crash on a field of the wrong
             # type (AttributeError on `structured_outputs: 5`, say) before pydantic checks types.
-            if _is_client_error(e) or isinstance(e, (ValueError, TypeError)):
+            if isinstance(e, (ValueError, TypeError, *vllm_client_errors())):
                 raise ApiError(400, "invalid_request", f"invalid request: {e}", getattr(e, "parameter", None))
             raise ApiError(400, "invalid_request", f"invalid request ({type(e).__name__}: {e}); a field has the "
                                                    "wrong type: see the schema at /openapi.json")
@@ -681,14 +682,6 @@ def _ratelimit_headers(requests: float, tokens: float) -> dict[str, str]:
     if tokens != float("inf"):
         out["x-ratelimit-remaining-tokens"] = str(max(0, int(tokens)))
     return out
-
-
-def _is_client_error(e: Exception) -> bool:
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return False
-    return isinstance(e, VLLMClientError)
 
 
 def _finite(d: dict) -> dict:
