@@ -110,7 +110,8 @@ def autoscale_section(d: dict) -> list[str]:
         "## Autoscaler (`bench/autoscale.py`)", "",
         f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
         f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; phases (name, req/s, seconds) "
-        f"{s['phases']}; autoscaler {s['autoscale']}. {_machine(d)}", "",
+        f"{s['phases']}; autoscaler {s['autoscale']}. A request with no answer after {s.get('timeout_s', '-')} s "
+        f"is cancelled and counts with that TTFT (a lower bound). {_machine(d)}", "",
         "| way | phase | goodput req/s | P99 TTFT (ms) | P50 TTFT (ms) | completed / sent | limit |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
