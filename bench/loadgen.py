@@ -147,7 +147,10 @@ class Target:
     extra_body: str = ""  # JSON object merged into every body, e.g. '{"priority": 0}'
 
 
-async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int) -> Result:
+async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int,
+               res: Result | None = None) -> Result:
+    """One request; its timings go into `res` as they arrive (so a caller that cancels it
+    still has what was measured)."""
     body = {"model": target.model, "max_tokens": max_tokens, "stream": target.stream, "ignore_eos": True,
             **(json.loads(target.extra_body) if target.extra_body else {})}
     if target.stream:
@@ -159,7 +162,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
         body["prompt"] = prompt
         url = f"{target.base_url}/completions"
     headers = {"Authorization": f"Bearer {target.api_key}", **dict(target.headers)}
-    res = Result(start=time.monotonic())
+    res = res or Result(start=time.monotonic())
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             res.status = resp.status_code
@@ -321,17 +324,19 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
 
 async def open_loop(target: Target, lengths: Lengths, window: Window, rate: float | None = None,
                     speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000,
-                    timeout_s: float = 600) -> "Run":
-    """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times."""
+                    timeout_s: float = 600, drain_s: float | None = None) -> "Run":
+    """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times.
+    With `drain_s`, the requests still running `drain_s` after the window are cancelled: one
+    with no first token yet counts as a timeout, its wait so far a lower bound on its TTFT."""
     rng = random.Random(seed)
     results: list[Result] = []
     t0 = time.monotonic()
     horizon = window.warmup_s + window.measure_s
     if rate is not None:
-        times, t = [], 0.0
-        while t < horizon:
-            t += rng.expovariate(rate)
+        times, t = [], rng.expovariate(rate)
+        while t < horizon:  # arrivals inside the window only
             times.append(t)
+            t += rng.expovariate(rate)
     else:
         times = [a / speedup for a in lengths.arrivals if a / speedup < horizon]
     tasks = []
@@ -344,9 +349,22 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
                 p, o = lengths.pairs[i % len(lengths.pairs)] if rate is None else lengths.sample(rng)
 
                 async def one(p=p, o=o):
-                    results.append(await send(client, target, make_prompt(p, rng), o))
+                    res = Result(start=time.monotonic())
+                    results.append(res)
+                    try:
+                        await send(client, target, make_prompt(p, rng), o, res)
+                    except asyncio.CancelledError:
+                        res.error = "timeout" if res.ttft is None else "cut off at the drain deadline"
+                        res.e2e = res.e2e if res.ttft is not None else time.monotonic() - res.start
+                        raise
                 tasks.append(asyncio.get_running_loop().create_task(one()))
-            await asyncio.gather(*tasks)
+            if drain_s is None:
+                await asyncio.gather(*tasks)
+            elif tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + horizon + drain_s - time.monotonic()))
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
     label = f"poisson {rate}/s" if rate is not None else f"trace x{speedup}"
     return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), label, len(times),
                timeout_s=timeout_s)
@@ -449,10 +467,11 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         timeouts=sum(1 for r in results if r.error == "timeout"),
         statuses={str(k): sum(1 for r in results if r.status == k) for k in sorted({r.status for r in results})},
         rejected_without_retry_after=sum(1 for r in results if r.status == 429 and not r.retry_after),
-        # a request that timed out before its first token had a TTFT of at least the timeout:
-        # counted at that lower bound, so a tail of timeouts is not hidden
-        ttft_ms_with_timeouts=_pcts([r.ttft for r in ok if r.ttft is not None] + [
-            timeout_s for r in results if r.error == "timeout" and r.ttft is None and timeout_s]),
+        # a request that timed out before its first token had a TTFT of at least its wait (the
+        # timeout, or the time until it was cut off): counted at that lower bound, so a tail
+        # of timeouts is not hidden; one cut off after its first token counts its real TTFT
+        ttft_ms_with_timeouts=_pcts([r.ttft for r in results if r.status == 200 and r.ttft is not None] + [
+            r.e2e or timeout_s for r in results if r.error == "timeout" and r.ttft is None and (r.e2e or timeout_s)]),
         loop_lag_ms=loop_lag or {},
     )
 
@@ -485,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--split", help="also summarise consecutive sub-windows of the measurement, e.g. 10,40,20")
     p.add_argument("--timeout", type=float, default=600, help="open loop: seconds a request may take")
+    p.add_argument("--drain", type=float, help="open loop: seconds to wait after the window for requests still "
+                                               "running; then they are cancelled (timeouts, lower bounds)")
     p.add_argument("--abandon", action="store_true", help="closed loop: cancel what still runs at the end")
     a = p.parse_args(argv)
     lengths = trace_lengths(a.max_model_len) if a.trace else synthetic_lengths(a.prompt, a.output, a.spread,
@@ -498,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                                       abandon=a.abandon))
     else:
         run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
-                                    seed=a.seed, timeout_s=a.timeout))
+                                    seed=a.seed, timeout_s=a.timeout, drain_s=a.drain))
     slo = (a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None, a.tpot_slo_ms / 1e3 if a.tpot_slo_ms else None)
     out = {"mode": run.mode, "load": run.load, "lengths": lengths.source, **run.summary(*slo).to_json()}
     if a.split:

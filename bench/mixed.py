@@ -10,7 +10,8 @@ Phases per set-up: online alone; online + offline (after a ramp so that queues f
 offline alone (for poolserve twice: borrowing on, then the online pool's lending switched
 off, so that the lift from borrowing is measured in the same run). Requests still running when a phase ends are cancelled, so a set-up whose
 queues never drain cannot stall the run; an online request that gets no first token within
-ONLINE_TIMEOUT_S counts with that TTFT, as a lower bound.
+ONLINE_TIMEOUT_S, or by ONLINE_DRAIN_S after its phase, is cut off and counts with its wait
+so far as its TTFT, a lower bound.
 
 Set-ups (engines pinned to the machine's two cores in every case):
   * poolserve: both pools, router priorities and quotas, borrowing, autoscaler on
@@ -48,6 +49,7 @@ OFFLINE_LENGTHS = ("200", "100")  # prompt, output tokens of a batch item
 FLOOR_STREAMS = 48
 ALONE_S, RAMP_S, TOGETHER_S, OFFLINE_ALONE_S = 10, 10, 35, 16
 ONLINE_TIMEOUT_S = 45  # 50x poolserve's P99 under load is well below it
+ONLINE_DRAIN_S = 12  # then what still waits is cut off, counted at its wait so far
 SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}  # the online-chat pool's
 
 
@@ -79,7 +81,8 @@ def _result(proc: subprocess.Popen) -> dict:
 def _online(ep: Endpoints, warmup: float, seconds: float, seed: int) -> subprocess.Popen:
     return _loadgen("--url", ep.online_url, "--key", ep.online_key, "--model", ep.online_model, "--chat",
                     "--rate", str(ONLINE_RATE), "--trace", "--warmup", str(warmup), "--duration", str(seconds),
-                    "--timeout", str(ONLINE_TIMEOUT_S), "--seed", str(seed), "--body", ep.online_body,
+                    "--timeout", str(ONLINE_TIMEOUT_S), "--drain", str(ONLINE_DRAIN_S), "--seed", str(seed),
+                    "--body", ep.online_body,
                     "--ttft-slo-ms", str(SLO["ttft_p99_ms"]), "--tpot-slo-ms", str(SLO["tpot_p99_ms"]))
 
 
@@ -316,7 +319,8 @@ def report(results: dict, floor: dict, wall_s: float) -> dict:
                              f"{OFFLINE_LENGTHS[1]} output tokens (lognormal sigma 0.3)",
                   "phases_s": {"online_alone": ALONE_S, "ramp": RAMP_S, "together": TOGETHER_S,
                                "offline_alone": OFFLINE_ALONE_S},
-                  "online_timeout_s": ONLINE_TIMEOUT_S, "slo": SLO, "floor_streams": FLOOR_STREAMS,
+                  "online_timeout_s": ONLINE_TIMEOUT_S, "online_drain_s": ONLINE_DRAIN_S, "slo": SLO,
+                  "floor_streams": FLOOR_STREAMS,
                   "single_pools": "one engine with scheduling_policy=priority; single-priority sends online at "
                                   "priority 0 and offline at 1, single-fcfs every request at one priority, which "
                                   "that scheduler serves in arrival order (and preempts latest-first), as FCFS does"},

@@ -133,7 +133,8 @@ def mixed_section(d: dict) -> list[str]:
     lines = [
         "## Mixed online and offline load (`bench/mixed.py`)", "",
         f"Online: {s['online']}. Offline: {s['offline']}. Phases (s): {s['phases_s']}; an online request with no "
-        f"token after {s['online_timeout_s']} s counts with that TTFT (a lower bound). The contention floor is the "
+        f"token after {s['online_timeout_s']} s, or {s.get('online_drain_s', '-')} s after its phase, is cut off and "
+        f"counts with its wait as its TTFT (a lower bound). The contention floor is the "
         f"stock two pools with only {s['floor_streams']} offline streams. Single pools: "
         f"{s.get('single_pools', 'one engine each')}. Whole run {d['wall_s']} s. {_machine(d)}",
         "",

@@ -1,0 +1,65 @@
+"""The open loop's drain deadline: what still runs after it is cut off and counted."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from bench import loadgen
+from bench.loadgen import Target, Window, open_loop, synthetic_lengths
+
+
+def _server(slow_after: int):
+    """A fake completions endpoint: the first `slow_after` requests answer at once, later ones
+    never send a token."""
+    seen = {"n": 0}
+
+    async def stream(fast: bool):
+        if not fast:
+            await asyncio.sleep(3600)
+        yield b'data: {"choices": [{"text": "a"}]}\n\n'
+        yield b'data: {"choices": [{"text": "b"}], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen["n"] += 1
+        return httpx.Response(200, stream=_Body(stream(seen["n"] <= slow_after)))
+
+    return handler
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, gen):
+        self._gen = gen
+
+    async def __aiter__(self):
+        async for chunk in self._gen:
+            yield chunk
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(slow_after: int):
+        monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+            transport=httpx.MockTransport(_server(slow_after)), timeout=timeout_s))
+    return install
+
+
+def test_requests_running_past_the_drain_are_cut_off_as_timeouts(fake):
+    fake(slow_after=5)
+    run = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 1.0), rate=20,
+                                seed=1, drain_s=0.5))
+    summary = run.summary().to_json()
+    hung = [r for r in run.results if r.error == "timeout"]
+    assert summary["completed"] == 5 and len(hung) == len(run.results) - 5 > 0
+    assert all(0 < r.e2e <= 3.0 for r in hung)  # cut off at window + drain (1.5 s), their wait recorded
+    # the hung requests count in the TTFT tail at their wait, so it is not hidden
+    assert summary["ttft_ms_with_timeouts"]["n"] == len(run.results)
+    assert summary["ttft_ms_with_timeouts"]["p99"] >= 500
+
+
+def test_without_a_drain_everything_is_awaited(fake):
+    fake(slow_after=10_000)
+    run = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 0.5), rate=20, seed=1))
+    assert run.results and all(r.ok and r.ttft is not None for r in run.results)
