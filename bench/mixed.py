@@ -22,7 +22,7 @@ Set-ups (engines pinned to the machine's two cores in every case):
     tries first);
   * single-fcfs: the same engine with every request at one priority, which vLLM's priority
     scheduler serves in arrival order and preempts latest-first, as its FCFS policy does
-    (one engine start instead of two: the run must fit in `make bench`'s 15 minutes);
+    (one engine start instead of two, for `make bench`'s 15-minute budget);
   * stock-two-pools: the same two engines as poolserve's pools (core 0 / core 1) as two
     LLMConfigs behind one OpenAiIngress, max_ongoing_requests 256, no router or gates.
 The contention floor: stock two pools with only FLOOR_STREAMS offline streams (nothing
