@@ -112,6 +112,10 @@ def _overload(stack, seconds: float) -> dict:
     capacity = _capacity(stack)
     stack.wait_idle(pool)
     rate = 10 * capacity
+    # offer at least twice what the pool can hold at once (its limit and its queue), however
+    # low a slow box measured its capacity: a burst that fits in the queue tests nothing
+    held = stack.replica(pool)["limits"]["max_active_seqs"] + stack.resolved.pools[pool].config.queue.max_queued
+    seconds = max(seconds, 2 * held / rate)
     burst = subprocess.Popen(
         [sys.executable, "-m", "bench.loadgen", "--url", f"{stack.base_url}/online/v1", "--key", KEYS["chat"],
          "--rate", str(rate), "--prompt", PROMPT, "--output", OUTPUT, "--warmup", "0", "--duration", str(seconds),
