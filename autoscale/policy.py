@@ -112,13 +112,12 @@ def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
 
 def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preempts: int,
               queue_ticks: int) -> tuple[int, str, str]:
-    enough = snap.samples >= cfg.min_samples
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
     queue_persists = queue_ticks >= cfg.queue_persist_ticks
-    ttft_breach = enough and ttft is not None and ttft > cfg.ttft_slo_s
+    ttft_breach = cfg.breach(snap, "slo_ttft") is not None
     if ttft_breach and not queue_persists:
         return -1, "slo_ttft", f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms"
-    if enough and tpot is not None and tpot > cfg.tpot_slo_s:
+    if cfg.breach(snap, "slo_tpot") is not None:
         return -1, "slo_tpot", f"P99 TPOT {tpot * 1e3:.1f} ms above SLO {cfg.tpot_slo_s * 1e3:.1f} ms"
     if snap.kv_usage > cfg.kv_watermark:
         return -1, "kv", f"KV usage {snap.kv_usage:.0%} above watermark {cfg.kv_watermark:.0%}"
