@@ -28,9 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import REPO
 from bench.loadgen import Target, Window, closed_loop, make_prompt, synthetic_lengths
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,8 @@ def _limits_while(stack, stop: threading.Event, trace: list) -> None:
         stop.wait(1.0)
 
 
-def _idle(stack) -> bool:
-    reps = stack.admin("GET", "/admin/pools").json()[POOL]["replicas"]
-    return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0 for r in reps)
-
-
 def _way(stack, name: str, seqs: int | None, start: int, slo) -> dict:
-    stack.wait(lambda: _idle(stack), 300)  # nothing left over from the way before
+    stack.wait(lambda: stack.idle(POOL), 300)  # nothing left over from the way before
     # static ways stay pinned; the autoscaled way starts at the pool's configured start
     stack.pin(POOL, seqs if seqs is not None else start, calibrating=False)
     if seqs is None:

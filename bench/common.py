@@ -87,6 +87,12 @@ class Stack:
         self.wait(lambda: self.admin("GET", "/admin/pools").json()[pool]["replicas"][0]["limits"]["max_active_seqs"]
                   == seqs, 30)
 
+    def idle(self, *pools: str) -> bool:
+        """Nothing running or queued in these pools (all of them when none are named)."""
+        views = self.admin("GET", "/admin/pools").json()
+        return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0
+                   for name in (pools or views) for r in views[name]["replicas"])
+
     @staticmethod
     def wait(cond, timeout: float) -> None:
         end = time.monotonic() + timeout

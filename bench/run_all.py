@@ -12,20 +12,15 @@ from bench import autoscale, mixed, overhead, report
 from bench.common import deploy, local_config, ray_cluster, write_result
 
 
-def _all_idle(stack) -> bool:
-    return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0
-               for pool in stack.admin("GET", "/admin/pools").json().values() for r in pool["replicas"])
-
-
 def main() -> None:
     started = time.monotonic()
     with ray_cluster():
         stack = deploy(local_config())
         write_result("autoscale", autoscale.run(stack))
-        stack.wait(lambda: _all_idle(stack), 300)
+        stack.wait(stack.idle, 300)
         results = {"poolserve": mixed.run_setup("poolserve", mixed.Endpoints(
             **{**mixed.POOLSERVE.__dict__, "admin": stack}))}
-        stack.wait(lambda: _all_idle(stack), 300)
+        stack.wait(stack.idle, 300)
         # The stock two pools, deployed beside poolserve: the overhead baseline, then (once
         # poolserve is gone, so that each set-up runs with only its own engines on the two
         # cores) the stock set-up of the mixed benchmark.
