@@ -124,6 +124,7 @@ class Result:
     pool: str = ""
     borrowed: bool = False
     retry_after: str | None = None
+    server_timing: dict[str, float] = field(default_factory=dict)  # poolserve's router: ms per step
 
     @property
     def ok(self) -> bool:
@@ -169,6 +170,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
             res.pool = resp.headers.get("x-poolserve-pool", "")
             res.borrowed = resp.headers.get("x-poolserve-borrowed") == "true"
             res.retry_after = resp.headers.get("retry-after")
+            res.server_timing = parse_server_timing(resp.headers.get("server-timing", ""))
             if resp.status_code != 200 or not target.stream:
                 await resp.aread()
                 if resp.status_code != 200:
@@ -198,6 +200,22 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """`router;dur=4.1, reach;dur=6.0` -> {"router": 4.1, "reach": 6.0}; entries without a
+    duration are left out."""
+    out = {}
+    for entry in header.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if name and key == "dur":
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+    return out
 
 
 def _has_token(chunk: dict) -> bool:

@@ -7,7 +7,9 @@ load, so nothing waits in it. Two measurements:
 
 - latency: one request at a time, the paths alternating request by request (router, direct,
   direct, router, ...), `PAIRS` pairs with short outputs. Added TTFT = router P50 − direct
-  P50, and the median of the pairs' differences. At load, TTFT on two shared cores swings
+  P50, and the median of the pairs' differences. The router path's time is split by its
+  `Server-Timing` header (router work, reaching a replica, the gate's queue, the engine's
+  first output) and the rest: the HTTP proxy both ways and the client. At load, TTFT on two shared cores swings
   by tens of ms from one second to the next; one at a time and interleaved, the router's own
   few ms are what is left.
 - throughput: a closed loop of `CONCURRENCY` streams on each path in turn (ABAB...), with
@@ -38,7 +40,7 @@ async def _pairs(router: Target, direct: Target, n: int = PAIRS) -> dict:
     """TTFT (s) of `n` requests on each path, sent one at a time, alternating (ABBA...)."""
     rng = random.Random(7)
     ttft: dict[str, list[float]] = {"router": [], "direct": []}
-    diffs = []
+    diffs, steps = [], []
     async with _client(1) as rc, _client(1) as dc:
         clients = {"router": (rc, router), "direct": (dc, direct)}
         for i in range(n):
@@ -50,13 +52,16 @@ async def _pairs(router: Target, direct: Target, n: int = PAIRS) -> dict:
                 if not res.ok or res.ttft is None:
                     raise RuntimeError(f"{name} request failed: {res.status} {res.error}")
                 got[name] = res.ttft
+                if name == "router":
+                    steps.append({**res.server_timing, "outside the router": res.ttft * 1e3 - sum(res.server_timing.values())})
             for name in got:
                 ttft[name].append(got[name])
             diffs.append(got["router"] - got["direct"])
     p50 = {k: statistics.median(v) * 1e3 for k, v in ttft.items()}
     return {"pairs": n, "lengths": f"{PAIR_LENGTHS[0]}/{PAIR_LENGTHS[1]}",
             "ttft_p50_ms": p50, "added_ttft_p50_ms": p50["router"] - p50["direct"],
-            "median_pair_difference_ms": statistics.median(diffs) * 1e3}
+            "median_pair_difference_ms": statistics.median(diffs) * 1e3,
+            "router_path_steps_p50_ms": {k: statistics.median(x[k] for x in steps if k in x) for k in steps[0]}}
 
 
 async def _rounds(router: Target, direct: Target) -> dict:

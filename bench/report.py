@@ -89,6 +89,7 @@ def overhead_section(d: dict) -> list[str]:
         f"{lat['lengths']} tokens: TTFT p50 {_f(lat['ttft_p50_ms']['router'], 1)} ms through the router, "
         f"{_f(lat['ttft_p50_ms']['direct'], 1)} ms direct: **{_f(lat['added_ttft_p50_ms'], 1)} ms added** "
         f"(median of the pairs' differences {_f(lat['median_pair_difference_ms'], 1)} ms).", "",
+        *_steps(lat.get("router_path_steps_p50_ms")),
         f"**Throughput**, {d['setup']['concurrency']} concurrent streams, {d['setup']['lengths']} tokens, "
         f"{d['setup']['rounds']} alternating rounds of {d['setup']['measure_s_per_round']} s per path:", "",
         "| path | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|---:|",
@@ -102,6 +103,14 @@ def overhead_section(d: dict) -> list[str]:
         f"({_yes(d['met']['req_per_s_ratio'])}).", "",
         "![overhead](images/bench-overhead.png)", "",
     ]
+
+
+def _steps(steps: dict | None) -> list[str]:
+    if not steps:
+        return []
+    return ["Where the router path's TTFT went (P50 of each step, ms, from the router's `Server-Timing` header): "
+            + ", ".join(f"{k} {_f(v, 1)}" for k, v in steps.items()) + ". The direct path has no such split; "
+            "its own ingress and proxy hops are inside its total.", ""]
 
 
 def autoscale_section(d: dict) -> list[str]:

@@ -1,8 +1,10 @@
 """AsyncGate: the asyncio face of the AdmissionGate, one per pool replica.
 
-`acquire` parks the caller on a future until the gate admits or rejects its ticket; a
-caller that is cancelled while waiting (client disconnect) withdraws its ticket, and a
-caller cancelled just after admission gives its slot back. The wait window is driven by
+`offer` hands the gate a ticket and returns at once with a `Pending` verdict, decided
+already when a slot was free (or the queue full); `Pending.wait` (and `acquire`, both in
+one) parks the caller on a future until the gate admits or rejects its ticket. A caller
+that is cancelled while waiting (client disconnect) withdraws its ticket, and a caller
+cancelled just after admission gives its slot back. The wait window is driven by
 one loop timer set to the gate's next deadline, never by polling.
 """
 
@@ -26,18 +28,15 @@ class AsyncGate:
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    async def acquire(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> Ticket:
+    def offer(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> "Pending":
         ticket = self.gate.new_ticket(tenant, weight, priority, cost)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
         self._apply(self.gate.offer(ticket))
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            self._apply(self.gate.cancel(ticket.id))
-            raise
-        finally:
-            self._waiters.pop(ticket.id, None)
+        return Pending(self, ticket.id, waiter)
+
+    async def acquire(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> Ticket:
+        return await self.offer(tenant, weight, priority, cost).wait()
 
     def release(self, ticket: Ticket, used_tokens: int | None = None, cancelled: bool = False) -> None:
         """Free a slot; `cancelled` when the request did not finish (client gone, error)."""
@@ -73,3 +72,32 @@ class AsyncGate:
     def _on_deadline(self) -> None:
         self._timer = None
         self._apply(self.gate.poll())
+
+
+class Pending:
+    """A ticket the gate holds: `decided` once admitted or rejected; `wait` for the verdict
+    (a Ticket, or GateRejected); `withdraw` if its caller leaves before waiting."""
+
+    def __init__(self, gate: AsyncGate, ticket_id: int, waiter: "asyncio.Future[Ticket]") -> None:
+        self._gate, self._id, self._waiter = gate, ticket_id, waiter
+
+    @property
+    def decided(self) -> bool:
+        return self._waiter.done()
+
+    async def wait(self) -> Ticket:
+        try:
+            return await self._waiter
+        except asyncio.CancelledError:
+            self.withdraw()
+            raise
+        finally:
+            self._gate._waiters.pop(self._id, None)
+
+    def withdraw(self) -> None:
+        """Take the ticket back: out of the queue, or its slot returned if already admitted."""
+        if self._gate._waiters.pop(self._id, None) is None:
+            return
+        if not self._waiter.done():
+            self._waiter.cancel()
+        self._gate._apply(self._gate.gate.cancel(self._id))

@@ -3,7 +3,8 @@
 One instance per pool replica. The router calls `generate(PoolCall)` through a Serve
 handle; the reply is a stream:
 
-    Admitted | Rejected        # first: a slot was granted after queueing, or refused
+    [Arrived]                  # first, only when the call has to queue in the gate
+    Admitted | Rejected        # a slot was granted (at once or after queueing), or refused
     <engine items>...          # OpenAI SSE strings (batched in lists) or one response
     Finished(usage, ttft, e2e) # last: the real usage for quota reconciliation
 
@@ -142,9 +143,11 @@ class PoolServer(LLMServer):
 
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
         arrived = time.monotonic()
-        yield Arrived(self._replica)
+        pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost)
         try:
-            ticket = await self._gate.acquire(call.tenant, call.weight, call.priority, call.cost)
+            if not pending.decided:  # it waits in the gate's queue: tell the router it got here
+                yield Arrived(self._replica)
+            ticket = await pending.wait()
         except GateRejected as e:
             r = e.rejection
             self._metrics.rejected(call.tenant, call.priority, r.reason)
@@ -152,6 +155,9 @@ class PoolServer(LLMServer):
             yield Rejected(429, r.reason, f"pool {self._settings.name!r} is overloaded: {what}; "
                                           f"retry after {r.retry_after_s:.0f}s", r.retry_after_s)
             return
+        except BaseException:  # the caller left while it waited (GeneratorExit at the yield)
+            pending.withdraw()
+            raise
         admitted = time.monotonic()
         self._metrics.admitted(call.tenant, call.priority, admitted - arrived)
         usage: Usage | None = None

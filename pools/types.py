@@ -122,15 +122,17 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Arrived:
-    """The first item of every pool stream: the call reached a replica (so the router can tell
-    a pool that is restarting from one whose queue is long)."""
+    """The first item of a pool stream whose call has to queue: it reached a replica (so the
+    router can tell a pool that is restarting from one whose queue is long). A call decided
+    at once (a free slot, or a full queue) starts with its verdict instead: one item less
+    between the router and the first token."""
 
     replica: str
 
 
 @dataclass(frozen=True)
 class Rejected:
-    """The only item of a pool stream that got no slot (status 429 or 503)."""
+    """The verdict, and last item, of a pool stream that got no slot (status 429 or 503)."""
 
     status: int
     reason: str

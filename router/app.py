@@ -91,6 +91,25 @@ class _Flight:
     shed: str | None = None  # refused by the router on the pool's behalf: the reason
     status: int = 200
     closed: bool = False
+    marks: dict[str, float] = field(default_factory=dict)  # monotonic times of the steps to the first item
+
+    def mark(self, step: str) -> None:
+        self.marks[step] = time.monotonic()
+
+    def server_timing(self) -> str:
+        """The `Server-Timing` header: where the time to the first byte went, in ms.
+
+        router: parsing, auth, token count and quota before the call; reach: until a pool
+        replica took the call; queue: in the pool's gate; engine: until the engine's first
+        output reached the router."""
+        steps = (("router", self.marks.get("sent")), ("reach", self.marks.get("arrived")),
+                 ("queue", self.marks.get("admitted")), ("engine", self.marks.get("first")))
+        last, parts = self.started, []
+        for name, at in steps:
+            if at is not None:
+                parts.append(f"{name};dur={(at - last) * 1e3:.1f}")
+                last = at
+        return ", ".join(parts)
 
     def close(self) -> None:
         if self.closed:
@@ -259,6 +278,7 @@ class Router:
     # -- the top loop ----------------------------------------------------------------
 
     async def _serve(self, request: Request, kind: str, prefix: str | None) -> Response:
+        received = time.monotonic()
         self._ensure_background()
         try:
             tenant = self._auth(request)
@@ -275,13 +295,14 @@ class Router:
             log.info("tenant=%s prompt=%s", tenant.name, json.dumps(_prompt_of(body))[:4000])
         call = PoolCall(kind, body, tenant.name, tenant.weight, priority, prompt_tokens, max_tokens,
                         include_usage=client_usage)
-        return await self._dispatch(tenant, pool, call, charge)
+        return await self._dispatch(tenant, pool, call, charge, received)
 
-    async def _dispatch(self, tenant: TenantConfig, pool: str, call: PoolCall, charge: Charge) -> Response:
+    async def _dispatch(self, tenant: TenantConfig, pool: str, call: PoolCall, charge: Charge,
+                        received: float) -> Response:
         target, borrowed = self._choose(pool, call)
         if borrowed and self._queue_full(target, PriorityClass.BORROWED):
             target, borrowed = pool, False
-        flight = _Flight(self, tenant, target, borrowed, charge, time.monotonic())
+        flight = _Flight(self, tenant, target, borrowed, charge, received)
         self._inflight_start(target, borrowed)
         gen = None
         try:
@@ -290,6 +311,7 @@ class Router:
                 hint = self._retry_hint[pool]
                 raise ApiError(429, "queue_full", f"pool {pool!r} is overloaded: its queue is full; retry after "
                                                   f"{retry_after_header(hint)}s", retry_after_s=hint)
+            flight.mark("sent")
             gen = self._start(target, call, borrowed)
             admitted = await self._admission(gen, target, flight,
                                              PriorityClass.BORROWED if borrowed else call.priority)
@@ -305,6 +327,7 @@ class Router:
             if flight.borrowed:
                 self._metrics.borrowed(pool, target, tenant.name)
             first = await gen.__anext__()
+            flight.mark("first")
             self._raise_engine_error(first, flight)
         except ApiError as e:
             flight.status = e.status
@@ -543,9 +566,14 @@ class Router:
                                    retry_after_s=hint)
                 raise ApiError(503, "pool_unavailable", f"no replica of pool {pool!r} answered within "
                                                         f"{reach:g}s; it may be restarting", retry_after_s=10)
-            if not isinstance(arrived, Arrived):
+            flight.mark("arrived")
+            if isinstance(arrived, (Admitted, Rejected)):  # decided at once: no queueing
+                verdict = arrived
+            elif isinstance(arrived, Arrived):
+                verdict = await gen.__anext__()
+            else:
                 raise RuntimeError(f"pool {pool!r} broke the stream protocol: {type(arrived).__name__} came first")
-            verdict = await gen.__anext__()
+            flight.mark("admitted")
         finally:
             waiting[cls] -= 1
         if isinstance(verdict, Rejected):
@@ -578,6 +606,7 @@ class Router:
             "x-poolserve-priority": (PriorityClass.BORROWED if flight.borrowed else call.priority).label,
             "x-poolserve-borrowed": str(flight.borrowed).lower(),
             "x-poolserve-queued-ms": f"{admitted.queued_s * 1e3:.0f}",
+            "server-timing": flight.server_timing(),
             **_ratelimit_headers(rem_req, rem_tok),
         }
 

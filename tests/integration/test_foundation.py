@@ -51,6 +51,8 @@ def test_streamed_completion_usage_and_replica(stack, tokenizer, prefix, pool, t
     assert raw.headers["x-poolserve-pool"] == pool
     assert raw.headers["x-poolserve-replica"] in {x["replica"] for x in stack.pools()[pool]["replicas"]}
     assert stack.fresh_replica(other)["admitted"] == other_before  # nothing ran on the other pool
+    steps = dict(part.split(";dur=") for part in raw.headers["server-timing"].split(", "))
+    assert list(steps) == ["router", "reach", "queue", "engine"] and all(float(v) >= 0 for v in steps.values())
 
 
 def test_stream_without_usage_request_gets_no_usage_chunk(stack):

@@ -70,10 +70,10 @@ def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=
 
 
 async def collect(server, c) -> list:
-    """The stream after its `Arrived` marker (which every call yields first)."""
+    """The stream without its `Arrived` marker (which only a call that queues yields)."""
     items = [item async for item in server.generate(c)]
-    assert isinstance(items[0], Arrived)
-    return items[1:]
+    assert not any(isinstance(x, Arrived) for x in items[1:])
+    return items[1:] if isinstance(items[0], Arrived) else items
 
 
 def test_stream_protocol_and_priority():
@@ -104,6 +104,49 @@ def test_usage_chunk_kept_when_the_client_asked():
     assert '"usage"' in chunks and json.loads(chunks.split("data: ")[-2])["usage"]["completion_tokens"] == 3
 
 
+def test_only_a_call_that_queues_says_it_arrived():
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server(max_queued=2)
+        first = server.generate(call())
+        head = await first.__anext__()  # takes the only slot
+        second = server.generate(call())
+        queued_head = await second.__anext__()
+        verdict = asyncio.create_task(second.__anext__())
+        await asyncio.sleep(0.05)
+        parked = not verdict.done()
+        FakeEngine.release.set()
+        rest = [x async for x in first]
+        after = await verdict
+        await second.aclose()
+        return head, queued_head, parked, after, rest
+
+    head, queued_head, parked, after, rest = asyncio.run(go())
+    assert isinstance(head, Admitted) and isinstance(queued_head, Arrived)
+    assert parked and isinstance(after, Admitted)  # the verdict came once the slot was free
+    assert isinstance(rest[-1], Finished)
+
+
+def test_a_caller_that_leaves_while_queued_withdraws_its_ticket():
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server(max_queued=2)
+        running = server.generate(call())
+        await running.__anext__()  # the only slot
+        waiting = server.generate(call())
+        assert isinstance(await waiting.__anext__(), Arrived)
+        queued = sum(server._gate.gate.stats().queued_by_class.values())
+        await waiting.aclose()  # the router went away while it waited
+        left = server._gate.gate.stats()
+        FakeEngine.release.set()
+        _ = [x async for x in running]
+        return queued, left, server._gate.gate.stats()
+
+    queued, left, end = asyncio.run(go())
+    assert queued == 1 and sum(left.queued_by_class.values()) == 0 and left.cancelled == 1
+    assert end.active == 0 and end.completed == 1
+
+
 def test_queue_full_yields_a_single_rejection():
     async def go():
         FakeEngine.release = asyncio.Event()
@@ -127,8 +170,7 @@ def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
         FakeEngine.release = asyncio.Event()
         server = await make_server()
         gen = server.generate(call(max_tokens=50))
-        assert isinstance(await gen.__anext__(), Arrived)
-        assert isinstance(await gen.__anext__(), Admitted)
+        assert isinstance(await gen.__anext__(), Admitted)  # a free slot: no Arrived first
         task = asyncio.create_task(gen.__anext__())
         await asyncio.sleep(0.01)
         task.cancel()
