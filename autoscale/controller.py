@@ -318,6 +318,7 @@ def _replica_json(s: ReplicaStats) -> dict:
         "limits": {"max_active_seqs": g.limits.max_active_seqs, "max_inflight_tokens": g.limits.max_inflight_tokens},
         "admitted": g.admitted, "rejected": g.rejected, "evicted": g.evicted, "cancelled": g.cancelled,
         "completed": g.completed,
-        "engine": {"running": e.running, "waiting": e.waiting, "kv_usage": e.kv_usage, "preemptions": e.preemptions},
+        "engine": {"running": e.running, "waiting": e.waiting, "kv_usage": e.kv_usage, "preemptions": e.preemptions,
+                   "generated_tokens": e.generated_tokens},
         "profile_stale": s.profile_stale,
     }

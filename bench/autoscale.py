@@ -20,15 +20,17 @@ import time
 from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
 
 POOL = "online-chat"
-PHASES = (("low", 1.0, 8), ("high", 5.0, 25), ("low-again", 1.0, 8))
-TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the backlog of a limit too low)  # (name, req/s, seconds)
+PHASES = (("low", 1.0, 6), ("high", 5.0, 20), ("low-again", 1.0, 6))  # (name, req/s, seconds)
+TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the backlog of a limit too low)
+DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at its wait so far)
 
 
 def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "bench.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
          "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
-         "--ttft-slo-ms", str(slo.ttft_p99_ms), "--tpot-slo-ms", str(slo.tpot_p99_ms), "--timeout", str(TIMEOUT_S)],
+         "--ttft-slo-ms", str(slo.ttft_p99_ms), "--tpot-slo-ms", str(slo.tpot_p99_ms), "--timeout", str(TIMEOUT_S),
+         "--drain", str(DRAIN_S)],
         cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -80,7 +82,7 @@ def run(stack) -> dict:
     a = stack.resolved.config.autoscale
     return {
         "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES],
-                  "timeout_s": TIMEOUT_S,
+                  "timeout_s": TIMEOUT_S, "drain_s": DRAIN_S,
                   "slo": slo.model_dump(), "lengths": "azure 2023 trace, scaled",
                   "autoscale": {"interval_s": a.interval_s, "cooldown_s": a.cooldown_s,
                                 "reversal_cooldown_s": a.reversal_cooldown_s}},

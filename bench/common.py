@@ -106,6 +106,54 @@ class Stack:
         raise TimeoutError("condition not met")
 
 
+class EngineTokens:
+    """The engines' own count of generated tokens, every pool's replicas summed, sampled from
+    their reports (`/admin/pools`) every `every_s` while the context is open.
+
+    Output tok/s over a window from it does not depend on when whole responses complete: a
+    pool's slots finish in waves, so counting completions in a 16 s window moves by a wave.
+    The reports lag the engines by up to a report interval at both ends of a window alike.
+    """
+
+    def __init__(self, stack: "Stack", every_s: float = 0.5) -> None:
+        import threading
+
+        self._stack, self._every = stack, every_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "EngineTokens":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                views = self._stack.admin("GET", "/admin/pools").json()
+                total = sum(r["engine"]["generated_tokens"] for v in views.values() for r in v["replicas"])
+                self.samples.append((time.monotonic(), total))
+            except Exception:  # a missed sample only widens the interpolation
+                pass
+            self._stop.wait(self._every)
+
+    def at(self, t: float) -> float | None:
+        """The count at time `t` (time.monotonic()), interpolated between samples."""
+        for (t0, v0), (t1, v1) in zip(self.samples, self.samples[1:]):
+            if t0 <= t <= t1:
+                return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+        return None
+
+    def rate(self, start: float, seconds: float) -> float | None:
+        """Tokens per second the engines generated in [start, start + seconds]."""
+        a, b = self.at(start), self.at(start + seconds)
+        return None if a is None or b is None or b < a else (b - a) / seconds
+
+
 @contextmanager
 def ray_cluster(num_cpus: int = 16, metrics_port: int = 8080) -> Iterator[None]:
     """A local Ray for one benchmark run. `num_cpus` is logical: it must hold poolserve's two

@@ -414,8 +414,10 @@ class Run:
         return [r for r in self.results if r.ok and r.e2e is not None and self.measure_from <= r.start + r.e2e < end]
 
     def summary(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "Summary":
-        return summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag,
-                         self.completed_in_window(), self.timeout_s)
+        s = summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag,
+                      self.completed_in_window(), self.timeout_s)
+        s.window_start = self.measure_from
+        return s
 
     def split(self, seconds: list[float]) -> list["Run"]:
         """Consecutive sub-windows of the measurement window, e.g. one per benchmark phase."""
@@ -446,6 +448,7 @@ class Summary:
     statuses: dict = field(default_factory=dict)  # status -> count ("0": no response)
     rejected_without_retry_after: int = 0
     loop_lag_ms: dict = field(default_factory=dict)
+    window_start: float | None = None  # time.monotonic(): one clock for every process on the host
 
     def to_json(self) -> dict:
         return asdict(self)

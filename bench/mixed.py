@@ -7,8 +7,9 @@ Traffic, the same for every set-up:
   * offline: a batch-job-like flood, OFFLINE_OUTSTANDING whole (non-streamed) requests kept
     outstanding (10x the offline engine's 64 slots), from its own process.
 Phases per set-up: online alone; online + offline (after a ramp so that queues form);
-offline alone (for poolserve twice: borrowing on, then the online pool's lending switched
-off, so that the lift from borrowing is measured in the same run). Requests still running when a phase ends are cancelled, so a set-up whose
+offline alone (for poolserve twice: the online pool's lending switched off, then on again,
+so that the lift from borrowing is measured in the same run, from the engines' own counts of
+generated tokens). Requests still running when a phase ends are cancelled, so a set-up whose
 queues never drain cannot stall the run; an online request that gets no first token within
 ONLINE_TIMEOUT_S, or by ONLINE_DRAIN_S after its phase, is cut off and counts with its wait
 so far as its TTFT, a lower bound.
@@ -22,7 +23,8 @@ Set-ups (engines pinned to the machine's two cores in every case):
     tries first);
   * single-fcfs: the same engine with every request at one priority, which vLLM's priority
     scheduler serves in arrival order and preempts latest-first, as its FCFS policy does
-    (one engine start instead of two, for `make bench`'s 15-minute budget);
+    (one engine start instead of two, for `make bench`'s 15-minute budget). Alone, online or
+    offline, every request has one priority in both, so the two share those phases;
   * stock-two-pools: the same two engines as poolserve's pools (core 0 / core 1) as two
     LLMConfigs behind one OpenAiIngress, max_ongoing_requests 256, no router or gates.
 The contention floor: stock two pools with only FLOOR_STREAMS offline streams (nothing
@@ -33,6 +35,7 @@ queues), in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -41,13 +44,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
+from bench.common import KEYS, REPO, EngineTokens, deploy, local_config, ray_cluster, write_result
 
 ONLINE_RATE = 4.0
 OFFLINE_OUTSTANDING = 640
 OFFLINE_LENGTHS = ("200", "100")  # prompt, output tokens of a batch item
 FLOOR_STREAMS = 48
-ALONE_S, RAMP_S, TOGETHER_S, OFFLINE_ALONE_S = 10, 10, 35, 16
+ALONE_S, RAMP_S, TOGETHER_S, OFFLINE_ALONE_S = 10, 6, 35, 12
+FLOOR_S = 25  # the floor's together phase: nothing queues in it, so its P99 settles sooner
 ONLINE_TIMEOUT_S = 45  # 50x poolserve's P99 under load is well below it
 ONLINE_DRAIN_S = 12  # then what still waits is cut off, counted at its wait so far
 SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}  # the online-chat pool's
@@ -106,31 +110,46 @@ def _offline_figures(w: dict) -> dict:
             "error_rate": w["error_rate"], "borrowed": w["borrowed"]}
 
 
-def run_setup(name: str, ep: Endpoints) -> dict:
-    """The three phases. For poolserve the offline-alone phase is measured twice: with
-    borrowing (the online pool idle and lending), then with the online pool's lending off."""
-    print(f"[{name}] online alone ...", flush=True)
-    alone = _result(_online(ep, 3, ALONE_S, seed=1))
+def _lending(stack, enabled: bool) -> None:
+    stack.admin("PUT", "/admin/pools/online-chat/lending", json={"enabled": enabled}).raise_for_status()
+
+
+def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
+    """The three phases. For poolserve the offline-alone phase is measured twice: first with
+    the online pool's lending off (the offline pool alone), then with it on (borrowing), by
+    then the online pool long quiet; the engines' own token counts give both windows' tok/s.
+    `alone_as`: a set-up on the same engine whose online-alone and offline-alone phases this
+    one shares (they differ only in how they rank online against offline requests)."""
+    if alone_as is None:
+        print(f"[{name}] online alone ...", flush=True)
+        alone = _result(_online(ep, 3, ALONE_S, seed=1))
     print(f"[{name}] online + offline ({OFFLINE_OUTSTANDING} outstanding) ...", flush=True)
-    windows = (TOGETHER_S, OFFLINE_ALONE_S) + ((OFFLINE_ALONE_S,) if ep.admin else ())
-    flood = _offline(ep, OFFLINE_OUTSTANDING, RAMP_S, windows)
-    switch = None
-    if ep.admin:  # lending off for the last window
-        switch = threading.Timer(RAMP_S + TOGETHER_S + OFFLINE_ALONE_S, lambda: ep.admin.admin(
-            "PUT", "/admin/pools/online-chat/lending", json={"enabled": False}))
-        switch.start()
-    time.sleep(RAMP_S)
-    together = _result(_online(ep, 0, TOGETHER_S, seed=2))
-    print(f"[{name}] offline alone ...", flush=True)
-    off = _result(flood)
+    windows = (TOGETHER_S,) if alone_as else (TOGETHER_S, OFFLINE_ALONE_S) + ((OFFLINE_ALONE_S,) if ep.admin else ())
+    with contextlib.ExitStack() as scope:
+        engines = scope.enter_context(EngineTokens(ep.admin)) if ep.admin else None
+        flood = _offline(ep, OFFLINE_OUTSTANDING, RAMP_S, windows)
+        if ep.admin:  # lending off for the first offline-alone window, on again for the second
+            for at, enabled in ((RAMP_S + TOGETHER_S, False), (RAMP_S + TOGETHER_S + OFFLINE_ALONE_S, True)):
+                switch = threading.Timer(at, _lending, (ep.admin, enabled))
+                scope.callback(switch.join)
+                switch.start()
+        time.sleep(RAMP_S)
+        together = _result(_online(ep, 0, TOGETHER_S, seed=2))
+        print(f"[{name}] offline alone ...", flush=True)
+        off = _result(flood)
     if ep.admin:
-        switch.join()
-        ep.admin.admin("PUT", "/admin/pools/online-chat/lending", json={"enabled": True})
-    out = {"online_alone": _online_figures(alone), "online_with_offline": _online_figures(together),
-           "offline_with_online": _offline_figures(off["windows"][0]),
-           "offline_alone": _offline_figures(off["windows"][1])}
+        _lending(ep.admin, True)
+    if alone_as is not None:
+        out = {"online_alone": alone_as["online_alone"], "online_with_offline": _online_figures(together),
+               "offline_with_online": _offline_figures(off["windows"][0]), "offline_alone": alone_as["offline_alone"]}
+    else:
+        out = {"online_alone": _online_figures(alone), "online_with_offline": _online_figures(together),
+               "offline_with_online": _offline_figures(off["windows"][0]),
+               "offline_alone": _offline_figures(off["windows"][-1])}
     if ep.admin:
-        out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][2])
+        out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][1])
+        for key, w in (("offline_alone_no_borrowing", off["windows"][1]), ("offline_alone", off["windows"][2])):
+            out[key]["engine_output_tok_s"] = engines.rate(w["window_start"], w["duration_s"])
     print(f"[{name}] online P99 TTFT alone {out['online_alone']['ttft_p99_ms']:.0f} ms, under load "
           f"{out['online_with_offline']['ttft_p99_ms']:.0f} ms; offline {out['offline_with_online']['output_tok_s']:.0f}"
           f" tok/s with online, {out['offline_alone']['output_tok_s']:.0f} alone", flush=True)
@@ -139,9 +158,9 @@ def run_setup(name: str, ep: Endpoints) -> dict:
 
 def contention_floor(ep: Endpoints) -> dict:
     print(f"[floor] online + {FLOOR_STREAMS} offline streams ...", flush=True)
-    flood = _offline(ep, FLOOR_STREAMS, RAMP_S / 2, (TOGETHER_S,))
+    flood = _offline(ep, FLOOR_STREAMS, RAMP_S / 2, (FLOOR_S,))
     time.sleep(RAMP_S / 2)
-    online = _result(_online(ep, 0, TOGETHER_S, seed=2))
+    online = _result(_online(ep, 0, FLOOR_S, seed=2))
     off = _result(flood)
     return {"online_with_offline": _online_figures(online), "offline_with_online": _offline_figures(off["windows"][0])}
 
@@ -158,13 +177,15 @@ def _llm_config(model_id: str, seqs: int, batched: int, kv_gb: float, cores: str
     batching as poolserve's pools, and max_ongoing_requests set (the LLM default is 1e9)."""
     from ray.serve.llm import LLMConfig
 
+    from deployments.app import engine_env
+
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": _model_source()},
         engine_kwargs={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": seqs,
                        "max_num_batched_tokens": batched, "enable_chunked_prefill": True,
                        "scheduling_policy": policy, "kv_cache_memory_bytes": int(kv_gb * (1 << 30))},
         accelerator_config={"kind": "cpu"},
-        runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": cores}},
+        runtime_env={"env_vars": {**engine_env(), "VLLM_CPU_OMP_THREADS_BIND": cores}},
         deployment_config={"max_ongoing_requests": 256,
                            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1,
                                                   "target_ongoing_requests": 64}},
@@ -252,7 +273,8 @@ def targets(results: dict, r: dict) -> dict:
         "offline_tok_s_at_least_0.8x_stock_two_pools": (r["offline_tok_s_vs_stock-two-pools"] or 0) >= 0.8,
         "borrowing_lifts_offline_alone_above_offline_pool_alone":
             ps["offline_alone"]["borrowed"] > 0
-            and ps["offline_alone"]["output_tok_s"] > ps["offline_alone_no_borrowing"]["output_tok_s"],
+            and (ps["offline_alone"].get("engine_output_tok_s") or 0)
+            > (ps["offline_alone_no_borrowing"].get("engine_output_tok_s") or float("inf")),
     }
 
 
@@ -305,7 +327,8 @@ def run_single_pools() -> dict:
     priority = setup_single("priority")
     results = {"single-fcfs": run_setup("single-fcfs", Endpoints(priority.online_url, priority.offline_url))}
     time.sleep(5)  # the abandoned flood's requests are aborted
-    results["single-priority"] = run_setup("single-priority", priority)
+    # alone, online or offline, every request has one priority: the same load as single-fcfs's
+    results["single-priority"] = run_setup("single-priority", priority, alone_as=results["single-fcfs"])
     _teardown("stock")
     return results
 
@@ -318,12 +341,14 @@ def report(results: dict, floor: dict, wall_s: float) -> dict:
                   "offline": f"{OFFLINE_OUTSTANDING} whole requests outstanding, {OFFLINE_LENGTHS[0]} prompt / "
                              f"{OFFLINE_LENGTHS[1]} output tokens (lognormal sigma 0.3)",
                   "phases_s": {"online_alone": ALONE_S, "ramp": RAMP_S, "together": TOGETHER_S,
-                               "offline_alone": OFFLINE_ALONE_S},
+                               "offline_alone": OFFLINE_ALONE_S, "floor_together": FLOOR_S},
                   "online_timeout_s": ONLINE_TIMEOUT_S, "online_drain_s": ONLINE_DRAIN_S, "slo": SLO,
                   "floor_streams": FLOOR_STREAMS,
                   "single_pools": "one engine with scheduling_policy=priority; single-priority sends online at "
                                   "priority 0 and offline at 1, single-fcfs every request at one priority, which "
-                                  "that scheduler serves in arrival order (and preempts latest-first), as FCFS does"},
+                                  "that scheduler serves in arrival order (and preempts latest-first), as FCFS does; "
+                                  "the two share the online-alone and offline-alone phases (one priority each: "
+                                  "the same load), measured once as single-fcfs"},
         "results": results, "contention_floor": floor, "ratios": r, "targets_met": targets(results, r),
         "wall_s": round(wall_s),
     }

@@ -32,7 +32,7 @@ CONCURRENCY = 8
 ROUNDS = 2
 WINDOW = Window(warmup_s=2, measure_s=10)
 LENGTHS = synthetic_lengths(prompt=128, output=64)
-PAIRS = 80
+PAIRS = 60
 PAIR_LENGTHS = (128, 8)
 
 

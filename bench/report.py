@@ -119,8 +119,9 @@ def autoscale_section(d: dict) -> list[str]:
         "## Autoscaler (`bench/autoscale.py`)", "",
         f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
         f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; phases (name, req/s, seconds) "
-        f"{s['phases']}; autoscaler {s['autoscale']}. A request with no answer after {s.get('timeout_s', '-')} s "
-        f"is cancelled and counts with that TTFT (a lower bound). {_machine(d)}", "",
+        f"{s['phases']}; autoscaler {s['autoscale']}. A request with no answer after {s.get('timeout_s', '-')} s, "
+        f"or {s.get('drain_s', '-')} s after its phase, is cancelled and counts with its wait as its TTFT (a lower "
+        f"bound). {_machine(d)}", "",
         "| way | phase | goodput req/s | P99 TTFT (ms) | P50 TTFT (ms) | completed / sent | limit |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
@@ -135,6 +136,25 @@ def autoscale_section(d: dict) -> list[str]:
 
 
 SETUPS = ("poolserve", "single-fcfs", "single-priority", "stock-two-pools")
+
+
+def _borrowing(ps: dict) -> list[str]:
+    on, off = ps["offline_alone"], ps.get("offline_alone_no_borrowing")
+    if not off or "engine_output_tok_s" not in on:
+        return []
+    lift = _div(on["engine_output_tok_s"], off["engine_output_tok_s"])
+    return ["Borrowing, poolserve with online idle (offline tok/s counted by the engines, both pools summed, "
+            "and from whole responses completed in the window):", "",
+            "| online pool's lending | engines' tok/s | completed responses' tok/s | offline requests borrowed |",
+            "|---|---:|---:|---:|",
+            f"| off (offline pool alone) | {_f(off['engine_output_tok_s'])} | {_f(off['output_tok_s'])} | "
+            f"{off['borrowed']} |",
+            f"| on | {_f(on['engine_output_tok_s'])} | {_f(on['output_tok_s'])} | {on['borrowed']} |", "",
+            f"Lift from borrowing: {_f(lift, 2)}x.", ""]
+
+
+def _div(a, b):
+    return None if a is None or not b else a / b
 
 
 def mixed_section(d: dict) -> list[str]:
@@ -163,6 +183,7 @@ def mixed_section(d: dict) -> list[str]:
     lines += [f"| contention floor | | {_f(fw['ttft_p50_ms'])} / {_f(fw['ttft_p99_ms'])} | "
               f"{_f(fw['tpot_p99_ms'], 1)} | {_f(fw['goodput_req_s'], 2)} | {fw['timeouts']} | "
               f"{_f(fl['offline_with_online']['output_tok_s'])} | | |", "",
+              *_borrowing(res["poolserve"]),
               "| ratio (poolserve / baseline) | value |", "|---|---:|"]
     lines += [f"| {k} | {_f(v, 3)} |" for k, v in r.items()]
     lines += ["", "| target | result |", "|---|---|"]

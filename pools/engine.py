@@ -2,7 +2,7 @@
 
 vLLM's AsyncLLM hands every scheduler step's stats to its stat loggers. We add one
 logger that keeps the latest running / waiting / KV-usage figures and counts
-preemptions, so the pool replica can report them without scraping Prometheus.
+preemptions and generated tokens, so the pool replica can report them without scraping Prometheus.
 vLLM is imported lazily: only a replica that starts an engine needs it.
 """
 
@@ -32,6 +32,7 @@ class StatsBox:
         self.waiting = 0
         self.kv_usage = 0.0
         self.preemptions = 0
+        self.generated_tokens = 0
         self._clock = clock
         self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
         self._tpot: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
@@ -50,7 +51,7 @@ class StatsBox:
         self._tpot.clear()
 
     def snapshot(self) -> EngineStats:
-        return EngineStats(self.running, self.waiting, self.kv_usage, self.preemptions)
+        return EngineStats(self.running, self.waiting, self.kv_usage, self.preemptions, self.generated_tokens)
 
     def latency(self, window_s: float) -> LatencySample:
         horizon = self._clock() - window_s
@@ -104,6 +105,7 @@ def _recorder_cls(box: StatsBox):
                 box.kv_usage = scheduler_stats.kv_cache_usage
             if iteration_stats is not None:
                 box.preemptions += iteration_stats.num_preempted_reqs
+                box.generated_tokens += iteration_stats.num_generation_tokens
                 box.add_ttft(iteration_stats.time_to_first_tokens_iter)
                 box.add_tpot(r.mean_time_per_output_token for r in iteration_stats.finished_requests)
 

@@ -176,6 +176,7 @@ class EngineStats:
     waiting: int = 0
     kv_usage: float = 0.0
     preemptions: int = 0
+    generated_tokens: int = 0  # output tokens the engine produced since it started, all requests
 
 
 @dataclass(frozen=True)

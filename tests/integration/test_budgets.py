@@ -36,6 +36,7 @@ def test_limit_two_holds_then_eight_applies_without_restart(stack):
     pool = "online-chat"
     with stack.pinned(pool, 2):
         replica_before = stack.replica(pool)["replica"]
+        tokens_before = stack.fresh_replica(pool)["engine"]["generated_tokens"]
         with ThreadPoolExecutor(max_workers=21) as ex:
             futures = [ex.submit(_chat, stack, 48) for _ in range(20)]
             watcher = ex.submit(_watch, stack, pool, lambda: all(f.done() for f in futures))
@@ -46,6 +47,9 @@ def test_limit_two_holds_then_eight_applies_without_restart(stack):
         assert max(s["engine"]["running"] for s in seen) <= 2
         assert stack.fresh_replica(pool)["peak_active"] == 2
         assert max(sum(s["queued_by_class"].values()) for s in seen) > 0  # the rest waited at the gate
+        # the engine's own count of generated tokens saw them (47 decode steps each at least)
+        wait_for(lambda: stack.replica(pool)["engine"]["generated_tokens"] >= tokens_before + 20 * 47, 10,
+                 what="the engine counts the generated tokens")
 
     with stack.pinned(pool, 8):
         with ThreadPoolExecutor(max_workers=20) as ex:

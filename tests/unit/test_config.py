@@ -162,3 +162,14 @@ def test_configuration_doc_is_generated_from_the_models():
     from deployments.config_doc import DOC, render
 
     assert DOC.read_text() == render(), "run `python -m deployments.config_doc`"
+
+
+def test_engine_processes_get_their_cores_and_skip_the_broken_aot_cache(model_dir, monkeypatch):
+    from deployments.app import llm_config
+
+    r = check(set_path(base(), "pools.online-chat.engine.cpu_threads_bind", "0"), model_dir)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    env = llm_config(r, r.pools["online-chat"]).runtime_env["env_vars"]
+    assert env == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # an operator's own choice wins
+    assert llm_config(r, r.pools["offline-batch"]).runtime_env["env_vars"]["VLLM_USE_AOT_COMPILE"] == "1"
