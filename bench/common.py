@@ -115,11 +115,12 @@ class EngineTokens:
     The reports lag the engines by up to a report interval at both ends of a window alike.
     """
 
-    def __init__(self, stack: "Stack", every_s: float = 0.5) -> None:
+    def __init__(self, stack: "Stack", every_s: float = 0.5, tail_s: float = 2.0) -> None:
         import threading
 
-        self._stack, self._every = stack, every_s
+        self._stack, self._every, self._tail = stack, every_s, tail_s
         self.samples: list[tuple[float, int]] = []
+        self.limits: list[tuple[float, dict[str, int]]] = []  # each pool's max_active_seqs, first replica
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -128,6 +129,7 @@ class EngineTokens:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop.wait(self._tail)  # the reports lag: sample past the end of the last window
         self._stop.set()
         self._thread.join()
 
@@ -136,7 +138,10 @@ class EngineTokens:
             try:
                 views = self._stack.admin("GET", "/admin/pools").json()
                 total = sum(r["engine"]["generated_tokens"] for v in views.values() for r in v["replicas"])
-                self.samples.append((time.monotonic(), total))
+                now = time.monotonic()
+                self.samples.append((now, total))
+                self.limits.append((now, {p: v["replicas"][0]["limits"]["max_active_seqs"]
+                                          for p, v in views.items() if v["replicas"]}))
             except Exception:  # a missed sample only widens the interpolation
                 pass
             self._stop.wait(self._every)
@@ -147,6 +152,11 @@ class EngineTokens:
             if t0 <= t <= t1:
                 return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
         return None
+
+    def limit_range(self, pool: str, start: float, seconds: float) -> list[int] | None:
+        """[lowest, highest] max_active_seqs of `pool` seen in the window."""
+        seen = [lim[pool] for t, lim in self.limits if start <= t <= start + seconds and pool in lim]
+        return [min(seen), max(seen)] if seen else None
 
     def rate(self, start: float, seconds: float) -> float | None:
         """Tokens per second the engines generated in [start, start + seconds]."""

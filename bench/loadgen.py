@@ -449,6 +449,7 @@ class Summary:
     rejected_without_retry_after: int = 0
     loop_lag_ms: dict = field(default_factory=dict)
     window_start: float | None = None  # time.monotonic(): one clock for every process on the host
+    server_timing_ms: dict = field(default_factory=dict)  # poolserve's steps to the first token: p50/p99 each
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -494,6 +495,8 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         ttft_ms_with_timeouts=_pcts([r.ttft for r in results if r.status == 200 and r.ttft is not None] + [
             r.e2e or timeout_s for r in results if r.error == "timeout" and r.ttft is None and (r.e2e or timeout_s)]),
         loop_lag_ms=loop_lag or {},
+        server_timing_ms={step: _pcts([r.server_timing[step] / 1e3 for r in ok if step in r.server_timing])
+                          for step in dict.fromkeys(k for r in ok for k in r.server_timing)},
     )
 
 

@@ -99,6 +99,7 @@ def _offline(ep: Endpoints, outstanding: int, warmup: float, split: tuple[float,
 
 def _online_figures(r: dict) -> dict:
     return {"requests": r["requests"], "completed": r["completed"], "timeouts": r["timeouts"],
+            "server_timing_ms": r.get("server_timing_ms", {}),
             "ttft_p50_ms": r["ttft_ms_with_timeouts"]["p50"], "ttft_p99_ms": r["ttft_ms_with_timeouts"]["p99"],
             "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"],
             "goodput_req_s": r["goodput_req_per_s"], "rejection_rate": r["rejection_rate"],
@@ -124,6 +125,7 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
         print(f"[{name}] online alone ...", flush=True)
         alone = _result(_online(ep, 3, ALONE_S, seed=1))
     print(f"[{name}] online + offline ({OFFLINE_OUTSTANDING} outstanding) ...", flush=True)
+    since = time.time()
     windows = (TOGETHER_S,) if alone_as else (TOGETHER_S, OFFLINE_ALONE_S) + ((OFFLINE_ALONE_S,) if ep.admin else ())
     with contextlib.ExitStack() as scope:
         engines = scope.enter_context(EngineTokens(ep.admin)) if ep.admin else None
@@ -150,6 +152,13 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
         out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][1])
         for key, w in (("offline_alone_no_borrowing", off["windows"][1]), ("offline_alone", off["windows"][2])):
             out[key]["engine_output_tok_s"] = engines.rate(w["window_start"], w["duration_s"])
+        t = off["windows"][0]
+        out["online_with_offline"]["online_limit"] = engines.limit_range("online-chat", t["window_start"], t["duration_s"])
+        out["online_with_offline"]["offline_limit"] = engines.limit_range("offline-batch", t["window_start"],
+                                                                          t["duration_s"])
+        out["autoscaler_moves"] = [{k: d[k] for k in ("pool", "old", "new", "code", "reason")}
+                                   for d in ep.admin.admin("GET", "/admin/decisions?limit=500").json()
+                                   if d["time"] >= since and d["old"] != d["new"]]
     print(f"[{name}] online P99 TTFT alone {out['online_alone']['ttft_p99_ms']:.0f} ms, under load "
           f"{out['online_with_offline']['ttft_p99_ms']:.0f} ms; offline {out['offline_with_online']['output_tok_s']:.0f}"
           f" tok/s with online, {out['offline_alone']['output_tok_s']:.0f} alone", flush=True)

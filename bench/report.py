@@ -138,6 +138,22 @@ def autoscale_section(d: dict) -> list[str]:
 SETUPS = ("poolserve", "single-fcfs", "single-priority", "stock-two-pools")
 
 
+def _poolserve_inside(ps: dict) -> list[str]:
+    """What poolserve's own reports say about its online pool under the flood."""
+    w, lines = ps["online_with_offline"], []
+    if w.get("online_limit"):
+        lo, hi = w["online_limit"]
+        moves = "; ".join(f"{m['pool']} {m['old']} -> {m['new']} ({m['code']})" for m in ps.get("autoscaler_moves", []))
+        lines.append(f"Poolserve's online limit (max_active_seqs) during the flood: {lo}..{hi}; autoscaler moves in "
+                     f"the set-up: {moves or 'none'}.")
+    st = w.get("server_timing_ms") or {}
+    if st:
+        lines.append("Its online requests' time to the first token under the flood, by step (router's "
+                     "`Server-Timing`, P50 / P99 ms): " + ", ".join(
+                         f"{k} {_f(v['p50'])} / {_f(v['p99'])}" for k, v in st.items() if v.get("n")) + ".")
+    return [*lines, ""] if lines else []
+
+
 def _borrowing(ps: dict) -> list[str]:
     on, off = ps["offline_alone"], ps.get("offline_alone_no_borrowing")
     if not off or "engine_output_tok_s" not in on:
@@ -183,6 +199,7 @@ def mixed_section(d: dict) -> list[str]:
     lines += [f"| contention floor | | {_f(fw['ttft_p50_ms'])} / {_f(fw['ttft_p99_ms'])} | "
               f"{_f(fw['tpot_p99_ms'], 1)} | {_f(fw['goodput_req_s'], 2)} | {fw['timeouts']} | "
               f"{_f(fl['offline_with_online']['output_tok_s'])} | | |", "",
+              *_poolserve_inside(res["poolserve"]),
               *_borrowing(res["poolserve"]),
               "| ratio (poolserve / baseline) | value |", "|---|---:|"]
     lines += [f"| {k} | {_f(v, 3)} |" for k, v in r.items()]
