@@ -20,7 +20,8 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      `settle_s` after any change, the span the P99s are computed over, so that its
      evidence was measured at the current limit and not the one before;
   8. a second step down for the same SLO breach needs the first to have helped: the
-     breaching P99 `min_step_gain` lower than when the limit last stepped down for it.
+     breaching P99 `min_step_gain` lower than when the limit last stepped down for it
+     (the breach counts as over only after a whole `settle_s` measured under the SLO).
      If it did not, the batch is not what drives it (another engine on the same cores,
      a burst of long prompts) and the limit holds instead of ratcheting to the bottom.
 
@@ -78,6 +79,7 @@ class PolicyState:
     seen_preemptions: int | None = None
     down_code: str = ""  # the SLO breach that last stepped the limit down, while it lasts
     down_level: float = 0.0  # its P99 (s) then
+    down_clear_since: float | None = None  # since when that P99 has been measured back under its SLO
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,21 @@ class PolicyConfig:
         value, slo = {"slo_ttft": (snap.ttft_p99_s, self.ttft_slo_s),
                       "slo_tpot": (snap.tpot_p99_s, self.tpot_slo_s)}.get(code, (None, 0.0))
         return value if value is not None and value > slo else None
+
+
+def _forget_breach(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float) -> PolicyState:
+    """The breach behind the last step down is over once its P99 has been measured under the
+    SLO for a whole latency window (`settle_s`). Too few samples to tell is not an end: at a
+    low limit few requests finish, and forgetting then let a TPOT hovering around its SLO
+    ratchet the online pool 8 -> 4 -> 2 in a benchmark, each step a fresh "first" one."""
+    if snap.samples < cfg.min_samples:
+        return state
+    if cfg.breach(snap, state.down_code) is not None:
+        return replace(state, down_clear_since=None)
+    since = state.down_clear_since if state.down_clear_since is not None else now
+    if now - since >= cfg.settle_s:
+        return replace(state, down_code="", down_level=0.0, down_clear_since=None)
+    return replace(state, down_clear_since=since)
 
 
 def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
@@ -158,8 +175,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     queue_ticks = state.queue_ticks + 1 if snap.queued > 0 else 0
     state = replace(state, queue_ticks=queue_ticks, seen_rejected=snap.rejected_total,
                     seen_preemptions=snap.preemptions_total)
-    if state.down_code and cfg.breach(snap, state.down_code) is None:
-        state = replace(state, down_code="", down_level=0.0)  # that breach is over
+    if state.down_code:
+        state = _forget_breach(snap, state, cfg, now)
 
     direction, code, why = _pressure(snap, cfg, new_rejects, new_preempts, queue_ticks)
     if direction == 0:
@@ -187,5 +204,5 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
                                         f"down: a smaller batch does not lower it")
     moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0)
     if level is not None:
-        moved = replace(moved, down_code=code, down_level=level)
+        moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

@@ -123,6 +123,22 @@ def test_breach_memory_ends_with_the_breach():
     assert state.down_code == "" and state.down_level == 0.0
 
 
+def test_breach_memory_outlasts_a_dip_and_too_few_samples():
+    """TPOT hovering around its SLO under contention: a dip under it for one tick, or a
+    window with too few finished requests to tell, does not make the next breach a new one."""
+    state = PolicyState(8, last_change_at=NOW - 100, last_direction=-1, down_code="slo_tpot", down_level=0.114)
+    _, state, _ = decide(snap(tpot_p99_s=0.05, samples=2), state, SETTLE, NOW)  # too few to tell
+    assert state.down_code == "slo_tpot"
+    _, state, _ = decide(snap(tpot_p99_s=0.099), state, SETTLE, NOW + 5)  # under the SLO, for one tick
+    new, state, reason = decide(snap(tpot_p99_s=0.109), state, SETTLE, NOW + 10)
+    assert (new, reason.code) == (8, "step_ineffective")
+    for t in range(15, 15 + 50, 5):  # under the SLO for a whole latency window: that breach is over
+        _, state, _ = decide(snap(tpot_p99_s=0.05), state, SETTLE, NOW + t)
+    assert state.down_code == ""
+    new, _, reason = decide(snap(tpot_p99_s=0.109), state, SETTLE, NOW + 70)
+    assert (new, reason.code) == (4, "slo_tpot")
+
+
 def test_a_step_down_records_the_breach_it_answered():
     _, state, reason = decide(snap(tpot_p99_s=0.2), PolicyState(16), CFG, NOW)
     assert reason.action == "down" and (state.down_code, state.down_level) == ("slo_tpot", 0.2)
