@@ -1,8 +1,8 @@
 """AsyncGate: the asyncio face of the AdmissionGate, one per pool replica.
 
 `offer` hands the gate a ticket and returns at once with a `Pending` verdict, decided
-already when a slot was free (or the queue full); `Pending.wait` (and `acquire`, both in
-one) parks the caller on a future until the gate admits or rejects its ticket. A caller
+already when a slot was free (or the queue full); `Pending.wait` parks the caller on a
+future until the gate admits or rejects its ticket. A caller
 that is cancelled while waiting (client disconnect) withdraws its ticket, and a caller
 cancelled just after admission gives its slot back. The wait window is driven by
 one loop timer set to the gate's next deadline, never by polling.
@@ -34,9 +34,6 @@ class AsyncGate:
         self._waiters[ticket.id] = waiter
         self._apply(self.gate.offer(ticket))
         return Pending(self, ticket.id, waiter)
-
-    async def acquire(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> Ticket:
-        return await self.offer(tenant, weight, priority, cost).wait()
 
     def release(self, ticket: Ticket, used_tokens: int | None = None, cancelled: bool = False) -> None:
         """Free a slot; `cancelled` when the request did not finish (client gone, error)."""
