@@ -141,13 +141,10 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
         off = _result(flood)
     if ep.admin:
         _lending(ep.admin, True)
-    if alone_as is not None:
-        out = {"online_alone": alone_as["online_alone"], "online_with_offline": _online_figures(together),
-               "offline_with_online": _offline_figures(off["windows"][0]), "offline_alone": alone_as["offline_alone"]}
-    else:
-        out = {"online_alone": _online_figures(alone), "online_with_offline": _online_figures(together),
-               "offline_with_online": _offline_figures(off["windows"][0]),
-               "offline_alone": _offline_figures(off["windows"][-1])}
+    out = {"online_alone": alone_as["online_alone"] if alone_as else _online_figures(alone),
+           "online_with_offline": _online_figures(together),
+           "offline_with_online": _offline_figures(off["windows"][0]),
+           "offline_alone": alone_as["offline_alone"] if alone_as else _offline_figures(off["windows"][-1])}
     if ep.admin:
         out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][1])
         for key, w in (("offline_alone_no_borrowing", off["windows"][1]), ("offline_alone", off["windows"][2])):
