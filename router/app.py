@@ -161,7 +161,6 @@ class Router:
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
         self._quota = QuotaClient(ledger, quotas, settings.router.lease_fraction, settings.router.lease_ttl_s)
         self._counter = counter or PromptCounter(settings.model_source)
-        self._counter.tokenizer  # load it now: a first request must not pay for it
         self._metrics = RouterMetrics()
         self._views: dict[str, Any] = {}
         self._own = {p: 0 for p in self._routes}
@@ -171,6 +170,15 @@ class Router:
         self._retry_hint = {p: 1.0 for p in self._routes}  # the pool gate's last Retry-After estimate
         self._refresher: asyncio.Task | None = None
         self._models: dict[str, type] = {}
+
+    def warm(self) -> None:
+        """Pay now what the first request would: importing the OpenAI request models (vLLM's
+        protocol module, seconds on a busy box), their validators and the chat template. Then
+        the pool views start refreshing. The Serve constructor calls it (router.ingress)."""
+        for kind, sample in (("chat", {"messages": [{"role": "user", "content": "warm"}], "max_tokens": 1}),
+                             ("completions", {"prompt": "warm", "max_tokens": 1})):
+            self._measure(kind, self._validate(kind, sample))
+        self._ensure_background()
 
     # -- endpoints (mapped to paths in router.ingress) --------------------------
 

@@ -79,8 +79,15 @@ def make_app(title: str = "poolserve") -> FastAPI:
 
 
 def route_class(app: FastAPI, cls: type = Router) -> type:
-    """A subclass of `cls` whose methods are registered on `app` (Serve's class-based views)."""
-    methods = {}
+    """A subclass of `cls` whose methods are registered on `app` (Serve's class-based views),
+    warmed in its constructor (Serve awaits an async one) so a first request costs no more
+    than the next."""
+
+    async def __init__(self, *args, **kwargs) -> None:
+        cls.__init__(self, *args, **kwargs)
+        self.warm()
+
+    methods = {"__init__": __init__}
     for verb, path, name in ROUTES:
         fn = getattr(cls, name)
         methods[name] = getattr(app, verb)(path, include_in_schema=True, name=name)(fn)
