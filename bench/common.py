@@ -172,7 +172,13 @@ def ray_cluster(num_cpus: int = 16, metrics_port: int = 8080) -> Iterator[None]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port, log_to_driver=False)
+    from deployments.app import local_ray_init_kwargs
+    from deployments.config import RayConfig
+
+    # the embedded default's Ray settings (worker niceness), the same for every set-up
+    ray_config = RayConfig(**{**local_config().get("ray", {}), "num_cpus": num_cpus,
+                              "metrics_export_port": metrics_port})
+    ray.init(include_dashboard=False, log_to_driver=False, **local_ray_init_kwargs(ray_config))
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     try:
         yield

@@ -55,6 +55,14 @@ def engine_env() -> dict[str, str]:
     return {"VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
 
 
+def local_ray_init_kwargs(ray_config) -> dict[str, Any]:
+    """`ray.init` arguments for a Ray that poolserve starts itself (`poolserve serve`, the
+    integration suite, the benchmarks). A cluster joined by address keeps its own settings:
+    on KubeRay the rendered pods set `RAY_worker_niceness` instead."""
+    return {"num_cpus": ray_config.num_cpus, "_metrics_export_port": ray_config.metrics_export_port,
+            "_system_config": {"worker_niceness": ray_config.worker_niceness}}
+
+
 def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str = "priority"):
     """The ray.serve.llm LLMConfig of one pool: its engine ceilings and placement."""
     from ray.serve.llm import LLMConfig
@@ -127,6 +135,7 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
         stream_batching_ms=c.stream_batching_ms,
         fingerprint_base=fingerprint_base(resolved, c),
         profile_fingerprint=rp.profile.fingerprint if rp.profile else None,
+        nice=c.replicas.nice,
     )
 
 

@@ -84,7 +84,7 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, local_ray_init_kwargs
 
     resolved = load_or_report(args.config)
     if resolved is None:
@@ -95,8 +95,7 @@ def _cmd_serve(args) -> int:
     if c.ray.address:
         ray.init(address=c.ray.address)
     else:
-        ray.init(num_cpus=c.ray.num_cpus, include_dashboard=c.ray.dashboard,
-                 _metrics_export_port=c.ray.metrics_export_port)
+        ray.init(include_dashboard=c.ray.dashboard, **local_ray_init_kwargs(c.ray))
     serve.start(http_options={"host": host, "port": port})
     print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
     serve.run(build_app(resolved), name=APP_NAME, route_prefix="/")

@@ -32,6 +32,10 @@ class RayConfig(Frozen):
     num_cpus: int = Field(8, ge=1, description="Logical CPUs; more than the cores so every actor schedules.")
     metrics_export_port: int = Field(8080, ge=1, le=65535, description="Ray's Prometheus endpoint.")
     dashboard: bool = Field(False, description="Start the dashboard (needed for job submission).")
+    worker_niceness: int = Field(
+        0, ge=0, le=19, description="Linux nice of Ray's worker processes (Serve replicas, the HTTP proxy, "
+                                    "engines). Ray's own default, 15, ranks the whole serving path below any "
+                                    "ordinary process on the host; a pool's `replicas.nice` counts from this.")
 
 
 class PoolserveConfig(Frozen):

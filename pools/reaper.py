@@ -75,7 +75,7 @@ def engine_children(pid: int) -> list[tuple[int, int]]:
     return out
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def descendants(roots: list[int]) -> list[int]:
     tree, out, todo = _children(), [], list(roots)
     while todo:
         pid = todo.pop()
@@ -87,7 +87,7 @@ def _descendants(roots: list[int]) -> list[int]:
 def reap(engines: list[tuple[int, int]], grace_s: float = 5.0) -> list[int]:
     """Terminate the recorded engines that still run (same pid and start time: not a reused
     pid) and their descendants: SIGTERM, then SIGKILL after `grace_s`. Returns the pids signalled."""
-    victims = _descendants([pid for pid, start in engines if alive(pid, start)])
+    victims = descendants([pid for pid, start in engines if alive(pid, start)])
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in victims:
             try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator
@@ -30,7 +31,7 @@ from typing import Any, AsyncGenerator
 from ray import serve
 from ray.serve.llm import LLMServer
 
-from pools import reaper
+from pools import nice, reaper
 from pools.admission import AsyncGate, GateRejected
 from pools.config import Fingerprint
 from pools.engine import StatsBox, hardware_name, pool_engine_cls, vllm_client_errors
@@ -58,6 +59,7 @@ class PoolSettings:
     fingerprint_base: dict[str, Any]  # model, dtype, quantization, max_model_len, ceilings
     profile_fingerprint: Fingerprint | None = None  # None: uncalibrated (manual range)
     warmup_requests: int = 8
+    nice: int = 0  # Linux nice of the replica and its engine processes (pools.nice)
 
 
 def _replica_name() -> str:
@@ -127,7 +129,9 @@ class PoolServer(LLMServer):
         self._metrics = PoolMetrics(settings.name, self._replica)
         self._stale_reason = ""
         self._reporter: asyncio.Task | None = None
+        nice.lower_replica(settings.nice)  # before the engine starts: its processes inherit it
         await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
+        self._engine_pids = nice.lower_engines(settings.nice)  # also listed by describe()
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         await self._warm_up()
         self._stale_reason = self._check_profile()
@@ -296,6 +300,8 @@ class PoolServer(LLMServer):
             "block_size": facts.block_size if facts else None,
             "cudagraph_capture_sizes": list(facts.cudagraph_capture_sizes) if facts else [],
             "profile_stale": self._stale_reason,
+            "nice": {"replica": nice.niceness(os.getpid()),
+                     "engines": [nice.niceness(p) for p in getattr(self, "_engine_pids", [])]},
         }
 
     def _check_profile(self) -> str:

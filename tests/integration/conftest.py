@@ -98,7 +98,7 @@ def stack():
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, local_ray_init_kwargs
     from deployments.config import load
 
     if not (MODEL / "config.json").exists():
@@ -107,8 +107,7 @@ def stack():
         make_tiny_model(MODEL)
     resolved = load(CONFIG)
     c = resolved.config
-    ray.init(num_cpus=c.ray.num_cpus, include_dashboard=True, _metrics_export_port=c.ray.metrics_export_port,
-             dashboard_port=8275, log_to_driver=False)
+    ray.init(include_dashboard=True, dashboard_port=8275, log_to_driver=False, **local_ray_init_kwargs(c.ray))
     serve.start(http_options={"host": c.router.host, "port": c.router.port})
     serve.run(build_app(resolved), name="poolserve", route_prefix="/")
     s = Stack(f"http://{c.router.host}:{c.router.port}", f"http://127.0.0.1:{c.ray.metrics_export_port}/metrics",

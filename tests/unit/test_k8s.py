@@ -86,6 +86,9 @@ def test_rayservice_shape():
         [c] = g["template"]["spec"]["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    for c in [head] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
+        assert {"name": "RAY_worker_niceness", "value": "0"} in c["env"]  # not Ray's 15
 
 
 def test_serve_config_parses_with_our_models_and_its_import_path_resolves():

@@ -1,0 +1,66 @@
+"""A pool's CPU priority on a host whose cores it shares: Linux `nice` for the replica and
+its engine processes.
+
+Where both pools' engines share a host's cores with the router and the HTTP proxy (the
+two-core default, a small node), a busy offline engine takes its full share of a core from
+whatever lands beside it, the online request path included. A higher nice value (lower
+priority) for the offline pool keeps the core for it when nothing else wants it and yields
+it at once when the router, the proxy or the online engine do. Raising nice needs no
+privilege; lowering it does, so a value below the current one is left alone.
+
+Nice values belong to threads on Linux: every thread of each process is set, and threads and
+processes started later inherit their creator's. Elsewhere than Linux this does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pools.reaper import PROC, descendants, engine_children
+
+log = logging.getLogger(__name__)
+
+
+def renice(pids: list[int], nice: int) -> int:
+    """Raise every thread of `pids` to at least `nice`; the number of threads changed."""
+    changed = 0
+    for pid in pids:
+        try:
+            tids = [int(t.name) for t in (PROC / str(pid) / "task").iterdir()]
+        except OSError:
+            continue  # gone, or not Linux
+        for tid in tids:
+            try:
+                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    changed += 1
+            except OSError:
+                pass  # the thread ended meanwhile
+    return changed
+
+
+def lower_replica(nice: int) -> None:
+    """This replica process, before it starts its engine (whose processes inherit it)."""
+    if nice > 0:
+        renice([os.getpid()], nice)
+
+
+def lower_engines(nice: int) -> list[int]:
+    """This replica's engine processes and everything under them, once started (for threads
+    their start did not inherit it into). Returns their pids, lowered or not."""
+    if not PROC.is_dir():
+        return []
+    pids = descendants([pid for pid, _ in engine_children(os.getpid())])
+    if nice > 0:
+        changed = renice(pids, nice)
+        log.info("engine processes %s at nice %d (%d threads changed)", pids, nice, changed)
+    return pids
+
+
+def niceness(pid: int) -> int | None:
+    """A process's (main thread's) nice value; None if it is gone."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None

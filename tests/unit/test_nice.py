@@ -1,0 +1,48 @@
+"""A pool's processes at a lower CPU priority: every thread, never back up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pools import nice
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
+
+TWO_THREADS = "import threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); " \
+              "print('up', flush=True); time.sleep(30)"
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", TWO_THREADS], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _thread_nices(pid: int) -> list[int]:
+    return [int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_every_thread_of_the_process_is_raised(child):
+    assert nice.renice([child], 7) == 2
+    assert _thread_nices(child) == [7, 7]
+    assert nice.niceness(child) == 7
+
+
+def test_a_lower_value_leaves_the_priority_where_it_is(child):
+    nice.renice([child], 7)
+    assert nice.renice([child], 3) == 0
+    assert _thread_nices(child) == [7, 7]
+
+
+def test_a_process_gone_is_skipped():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert nice.renice([proc.pid], 5) == 0
+    assert nice.niceness(proc.pid) is None
