@@ -30,9 +30,9 @@ from bench.loadgen import Target, Window, _client, closed_loop, make_prompt, sen
 
 CONCURRENCY = 8
 ROUNDS = 2
-WINDOW = Window(warmup_s=2, measure_s=10)
+WINDOW = Window(warmup_s=1, measure_s=8)
 LENGTHS = synthetic_lengths(prompt=128, output=64)
-PAIRS = 60
+PAIRS = 50
 PAIR_LENGTHS = (128, 8)
 
 
