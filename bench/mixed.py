@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import KEYS, REPO, EngineTokens, deploy, local_config, ray_cluster, write_result
+from deployments.config import RayConfig
 
 ONLINE_RATE = 4.0
 OFFLINE_OUTSTANDING = 640
@@ -339,6 +340,14 @@ def run_single_pools() -> dict:
     return results
 
 
+def _cpu_priority() -> str:
+    c = local_config()
+    workers = RayConfig(**c.get("ray", {})).worker_niceness
+    pools = ", ".join(f"{name} at {p.get('replicas', {}).get('nice', 0)}" for name, p in c["pools"].items())
+    return (f"every set-up's Ray workers (proxy, replicas, engines) at nice {workers}; poolserve's pools "
+            f"(replicas.nice): {pools}; the load generators at nice 0")
+
+
 def report(results: dict, floor: dict, wall_s: float) -> dict:
     r = ratios(results, floor)
     plot(results, floor, REPO / "bench" / "results" / "mixed.png")
@@ -354,7 +363,8 @@ def report(results: dict, floor: dict, wall_s: float) -> dict:
                                   "priority 0 and offline at 1, single-fcfs every request at one priority, which "
                                   "that scheduler serves in arrival order (and preempts latest-first), as FCFS does; "
                                   "the two share the online-alone and offline-alone phases (one priority each: "
-                                  "the same load), measured once as single-fcfs"},
+                                  "the same load), measured once as single-fcfs",
+                  "cpu_priority": _cpu_priority()},
         "results": results, "contention_floor": floor, "ratios": r, "targets_met": targets(results, r),
         "wall_s": round(wall_s),
     }

@@ -181,7 +181,8 @@ def mixed_section(d: dict) -> list[str]:
         f"token after {s['online_timeout_s']} s, or {s.get('online_drain_s', '-')} s after its phase, is cut off and "
         f"counts with its wait as its TTFT (a lower bound). The contention floor is the "
         f"stock two pools with only {s['floor_streams']} offline streams. Single pools: "
-        f"{s.get('single_pools', 'one engine each')}. Whole run {d['wall_s']} s. {_machine(d)}",
+        f"{s.get('single_pools', 'one engine each')}. CPU priority: {s.get('cpu_priority', 'not recorded')}. "
+        f"Whole run {d['wall_s']} s. {_machine(d)}",
         "",
         "| set-up | online P50 / P99 TTFT alone (ms) | online P50 / P99 TTFT with offline (ms) | "
         "online P99 TPOT with offline (ms) | online goodput with offline (req/s) | online timeouts | "
