@@ -116,10 +116,24 @@ def _lending(stack, enabled: bool) -> None:
     stack.admin("PUT", "/admin/pools/online-chat/lending", json={"enabled": enabled}).raise_for_status()
 
 
+LENDING = (False, True, False, True)  # poolserve's offline-alone windows: lending off and on, alternating
+
+
+def _mean_window(ws: list[dict]) -> dict:
+    """Offline figures of windows of equal length taken as one: rates averaged, borrowed summed."""
+    out = {k: sum(w[k] for w in ws) / len(ws) for k in ("output_tok_s", "req_s", "rejection_rate", "error_rate")}
+    out["borrowed"] = sum(w["borrowed"] for w in ws)
+    rates = [w.get("engine_output_tok_s") for w in ws]
+    out["engine_output_tok_s"] = None if None in rates else sum(rates) / len(rates)
+    out["windows_engine_output_tok_s"] = rates
+    return out
+
+
 def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
-    """The three phases. For poolserve the offline-alone phase is measured twice: first with
-    the online pool's lending off (the offline pool alone), then with it on (borrowing), by
-    then the online pool long quiet; the engines' own token counts give both windows' tok/s.
+    """The three phases. For poolserve the offline-alone phase is four windows, the online
+    pool's lending off, on, off, on (`LENDING`), by then the online pool long quiet: the
+    offline pool alone against borrowing, alternated so that a drift over the flood's life
+    counts against both; the engines' own token counts give each window's tok/s.
     `alone_as`: a set-up on the same engine whose online-alone and offline-alone phases this
     one shares (they differ only in how they rank online against offline requests)."""
     if alone_as is None:
@@ -127,13 +141,13 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
         alone = _result(_online(ep, 3, ALONE_S, seed=1))
     print(f"[{name}] online + offline ({OFFLINE_OUTSTANDING} outstanding) ...", flush=True)
     since = time.time()
-    windows = (TOGETHER_S,) if alone_as else (TOGETHER_S, OFFLINE_ALONE_S) + ((OFFLINE_ALONE_S,) if ep.admin else ())
+    windows = (TOGETHER_S,) if alone_as else (TOGETHER_S,) + (OFFLINE_ALONE_S,) * (len(LENDING) if ep.admin else 1)
     with contextlib.ExitStack() as scope:
         engines = scope.enter_context(EngineTokens(ep.admin)) if ep.admin else None
         flood = _offline(ep, OFFLINE_OUTSTANDING, RAMP_S, windows)
-        if ep.admin:  # lending off for the first offline-alone window, on again for the second
-            for at, enabled in ((RAMP_S + TOGETHER_S, False), (RAMP_S + TOGETHER_S + OFFLINE_ALONE_S, True)):
-                switch = threading.Timer(at, _lending, (ep.admin, enabled))
+        if ep.admin:
+            for i, enabled in enumerate(LENDING):
+                switch = threading.Timer(RAMP_S + TOGETHER_S + i * OFFLINE_ALONE_S, _lending, (ep.admin, enabled))
                 scope.callback(switch.join)
                 switch.start()
         time.sleep(RAMP_S)
@@ -147,9 +161,10 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
            "offline_with_online": _offline_figures(off["windows"][0]),
            "offline_alone": alone_as["offline_alone"] if alone_as else _offline_figures(off["windows"][-1])}
     if ep.admin:
-        out["offline_alone_no_borrowing"] = _offline_figures(off["windows"][1])
-        for key, w in (("offline_alone_no_borrowing", off["windows"][1]), ("offline_alone", off["windows"][2])):
-            out[key]["engine_output_tok_s"] = engines.rate(w["window_start"], w["duration_s"])
+        each = [{**_offline_figures(w), "engine_output_tok_s": engines.rate(w["window_start"], w["duration_s"])}
+                for w in off["windows"][1:]]
+        for key, lending in (("offline_alone_no_borrowing", False), ("offline_alone", True)):
+            out[key] = _mean_window([f for f, on in zip(each, LENDING) if on == lending])
         t = off["windows"][0]
         out["online_with_offline"]["online_limit"] = engines.limit_range("online-chat", t["window_start"], t["duration_s"])
         out["online_with_offline"]["offline_limit"] = engines.limit_range("offline-batch", t["window_start"],

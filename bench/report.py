@@ -159,8 +159,14 @@ def _borrowing(ps: dict) -> list[str]:
     if not off or "engine_output_tok_s" not in on:
         return []
     lift = _div(on["engine_output_tok_s"], off["engine_output_tok_s"])
-    return ["Borrowing, poolserve with online idle (offline tok/s counted by the engines, both pools summed, "
-            "and from whole responses completed in the window):", "",
+    windows = ""
+    if "windows_engine_output_tok_s" in on:
+        n = len(on["windows_engine_output_tok_s"])
+        windows = (f" {2 * n} windows of equal length, lending off and on alternating, each row the mean of its "
+                   f"{n} (engines' tok/s: off {', '.join(_f(x) for x in off['windows_engine_output_tok_s'])}; on "
+                   f"{', '.join(_f(x) for x in on['windows_engine_output_tok_s'])})")
+    return [f"Borrowing, poolserve with online idle (offline tok/s counted by the engines, both pools summed, "
+            f"and from whole responses completed in the window;{windows}):", "",
             "| online pool's lending | engines' tok/s | completed responses' tok/s | offline requests borrowed |",
             "|---|---:|---:|---:|",
             f"| off (offline pool alone) | {_f(off['engine_output_tok_s'])} | {_f(off['output_tok_s'])} | "
