@@ -7,16 +7,16 @@ Traffic, the same for every set-up:
   * offline: a batch-job-like flood, OFFLINE_OUTSTANDING whole (non-streamed) requests kept
     outstanding (10x the offline engine's 64 slots), from its own process.
 Phases per set-up: online alone; online + offline (after a ramp so that queues form);
-offline alone (for poolserve twice: the online pool's lending switched off, then on again,
-so that the lift from borrowing is measured in the same run, from the engines' own counts of
-generated tokens). Requests still running when a phase ends are cancelled, so a set-up whose
+offline alone (for poolserve four windows, the online pool's lending off, on, off, on, so
+that the lift from borrowing is measured in the same run, from the engines' own counts of
+generated tokens, with the flood's drift counted against both). Requests still running when a phase ends are cancelled, so a set-up whose
 queues never drain cannot stall the run; an online request that gets no first token within
 ONLINE_TIMEOUT_S, or by ONLINE_DRAIN_S after its phase, is cut off and counts with its wait
 so far as its TTFT, a lower bound.
 
 Set-ups (engines pinned to the machine's two cores in every case):
-  * poolserve: both pools, router priorities and quotas, borrowing, autoscaler on
-    (deployments/configs/local.yaml);
+  * poolserve: both pools, router priorities and quotas, borrowing, autoscaler on, the
+    offline pool at nice 10 (deployments/configs/local.yaml);
   * single-priority: one ray.serve.llm pool, one engine on both cores (64 slots, 2 GiB KV),
     scheduling_policy=priority, max_ongoing_requests 256, behind ray.serve.llm's
     OpenAiIngress; online requests at priority 0 and offline at 1 (what a careful user
@@ -28,7 +28,8 @@ Set-ups (engines pinned to the machine's two cores in every case):
   * stock-two-pools: the same two engines as poolserve's pools (core 0 / core 1) as two
     LLMConfigs behind one OpenAiIngress, max_ongoing_requests 256, no router or gates.
 The contention floor: stock two pools with only FLOOR_STREAMS offline streams (nothing
-queues), in the same run.
+queues), in the same run. Every set-up runs on one Ray whose workers are at the embedded
+default's `ray.worker_niceness`.
 
     python -m bench.mixed      # about 10 minutes; writes bench/results/mixed.json
 """
