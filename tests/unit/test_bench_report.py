@@ -1,0 +1,41 @@
+"""The committed benchmark results are whole, and docs/benchmarks.md is what they render to."""
+
+from __future__ import annotations
+
+import json
+
+from bench import report
+from bench.mixed import targets
+
+RESULTS = report.RESULTS
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def test_mixed_result_holds_every_set_up_phase_and_target():
+    d = _load("mixed")
+    assert set(d["results"]) == set(report.SETUPS)
+    for name, v in d["results"].items():
+        for phase in ("online_alone", "online_with_offline"):
+            assert {"ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "goodput_req_s", "timeouts"} <= set(v[phase]), name
+        assert v["offline_with_online"]["output_tok_s"] >= 0 and v["offline_alone"]["output_tok_s"] >= 0
+    assert d["contention_floor"]["online_with_offline"]["ttft_p99_ms"] > 0
+    assert d["targets_met"] == targets(d["results"], d["ratios"])  # the verdicts follow from the figures
+    assert len(d["targets_met"]) == 7 and d["setup"]["cpu_priority"]
+
+
+def test_overhead_and_autoscale_results_hold_their_verdicts():
+    o = _load("overhead")
+    assert o["met"] == {"added_ttft_p50": o["latency_one_at_a_time"]["added_ttft_p50_ms"] <= 5,
+                        "req_per_s_ratio": o["req_per_s_ratio"] >= 0.9}
+    a = _load("autoscale")
+    assert len(a["ways"]) == 3
+
+
+def test_benchmarks_doc_is_rendered_from_the_committed_results():
+    doc = report.DOC.read_text()
+    assert doc == report.render(), "run `python -m bench.report`"
+    for target, met in _load("mixed")["targets_met"].items():  # every target says plainly how it went
+        assert f"| {target.replace('_', ' ')} | {report._yes(met)} |" in doc
