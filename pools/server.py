@@ -301,7 +301,7 @@ class PoolServer(LLMServer):
             "cudagraph_capture_sizes": list(facts.cudagraph_capture_sizes) if facts else [],
             "profile_stale": self._stale_reason,
             "nice": {"replica": nice.niceness(os.getpid()),
-                     "engines": [nice.niceness(p) for p in getattr(self, "_engine_pids", [])]},
+                     "engines": [nice.niceness(p) for p in self._engine_pids]},
         }
 
     def _check_profile(self) -> str:
