@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 
 from bench import report
 from bench.mixed import targets
@@ -39,3 +41,19 @@ def test_benchmarks_doc_is_rendered_from_the_committed_results():
     assert doc == report.render(), "run `python -m bench.report`"
     for target, met in _load("mixed")["targets_met"].items():  # every target says plainly how it went
         assert f"| {target.replace('_', ' ')} | {report._yes(met)} |" in doc
+
+
+def test_the_plots_the_doc_shows_are_committed():
+    images = re.findall(r"!\[[^]]*\]\((images/[^)]+)\)", report.DOC.read_text())
+    assert len(images) == 3
+    assert all((report.DOC.parent / path).is_file() for path in images)
+
+
+def test_make_bench_entry_point_and_its_benchmarks_import():
+    run_all = importlib.import_module("bench.run_all")  # `make bench` runs its main
+    assert callable(run_all.main)
+    used = {"autoscale": ("run",), "overhead": ("run", "direct_target"),
+            "mixed": ("run_setup", "setup_two_pools", "run_two_pools", "run_single_pools", "report")}
+    for module, names in used.items():
+        m = importlib.import_module(f"bench.{module}")
+        assert all(callable(getattr(m, n)) for n in names), module
