@@ -8,8 +8,9 @@ priority) for the offline pool keeps the core for it when nothing else wants it 
 it at once when the router, the proxy or the online engine do. Raising nice needs no
 privilege; lowering it does, so a value below the current one is left alone.
 
-Nice values belong to threads on Linux: every thread of each process is set, and threads and
-processes started later inherit their creator's. Elsewhere than Linux this does nothing.
+Nice values belong to threads on Linux: every thread of the replica is set before it starts
+its engine, and the engine's processes and threads, started later, inherit their creator's.
+Elsewhere than Linux this does nothing.
 """
 
 from __future__ import annotations
@@ -43,19 +44,15 @@ def renice(pids: list[int], nice: int) -> int:
 def lower_replica(nice: int) -> None:
     """This replica process, before it starts its engine (whose processes inherit it)."""
     if nice > 0:
-        renice([os.getpid()], nice)
+        changed = renice([os.getpid()], nice)
+        log.info("replica %d at nice %d (%d threads changed)", os.getpid(), nice, changed)
 
 
-def lower_engines(nice: int) -> list[int]:
-    """This replica's engine processes and everything under them, once started (for threads
-    their start did not inherit it into). Returns their pids, lowered or not."""
+def engine_pids() -> list[int]:
+    """This replica's engine processes and everything under them."""
     if not PROC.is_dir():
         return []
-    pids = descendants([pid for pid, _ in engine_children(os.getpid())])
-    if nice > 0:
-        changed = renice(pids, nice)
-        log.info("engine processes %s at nice %d (%d threads changed)", pids, nice, changed)
-    return pids
+    return descendants([pid for pid, _ in engine_children(os.getpid())])
 
 
 def niceness(pid: int) -> int | None:

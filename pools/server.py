@@ -131,7 +131,7 @@ class PoolServer(LLMServer):
         self._reporter: asyncio.Task | None = None
         nice.lower_replica(settings.nice)  # before the engine starts: its processes inherit it
         await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
-        self._engine_pids = nice.lower_engines(settings.nice)  # also listed by describe()
+        self._engine_pids = nice.engine_pids()  # describe() shows their nice values
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         await self._warm_up()
         self._stale_reason = self._check_profile()
