@@ -94,6 +94,11 @@ class Controller:
     def report(self, stats: ReplicaStats) -> LimitsDirective:
         p = self._pools[stats.pool]
         now = self._clock()
+        last = p.reports.get(stats.replica)
+        if last is not None and now - last[0] > self._config.stats_max_age_s:
+            log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
+                        "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0],
+                        self._config.stats_max_age_s)
         p.reports[stats.replica] = (now, stats)
         if stats.profile_stale and not p.stale_reason:
             p.stale_reason = stats.stale_reason or "profile fingerprint differs from the engine"

@@ -240,6 +240,19 @@ def test_missing_reports_hold():
     assert c.target("p") == 8 and decisions[-1].code == "stale"
 
 
+def test_a_report_after_a_stale_gap_is_logged(caplog):
+    c, clock = controller(stats_max_age_s=10)
+    c.report(stats())
+    clock.t += 9
+    with caplog.at_level("WARNING", logger="poolserve.autoscale"):
+        c.report(stats())  # inside the window: nothing to say
+        clock.t += 12.5
+        c.report(stats())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "pool p replica r1: no report for 12.5 s; reports older than 10.0 s count as missing, so the autoscaler "
+        "held while it was silent"]
+
+
 def test_dry_run_decides_but_never_applies():
     c, clock = controller(dry_run=True)
     c.report(stats(seqs=4))
