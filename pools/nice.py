@@ -1,16 +1,20 @@
-"""A pool's CPU priority on a host whose cores it shares: Linux `nice` for the replica and
-its engine processes.
+"""A pool's CPU priority on a host whose cores it shares: Linux `nice` for its engine processes.
 
 Where both pools' engines share a host's cores with the router and the HTTP proxy (the
 two-core default, a small node), a busy offline engine takes its full share of a core from
 whatever lands beside it, the online request path included. A higher nice value (lower
-priority) for the offline pool keeps the core for it when nothing else wants it and yields
-it at once when the router, the proxy or the online engine do. Raising nice needs no
-privilege; lowering it does, so a value below the current one is left alone.
+priority) for the offline pool's engine keeps the core for it when nothing else wants it
+and yields it at once when the router, the proxy or the online engine do. Raising nice needs
+no privilege; lowering it does, so a value below the current one is left alone.
 
-Nice values belong to threads on Linux: every thread of the replica is set before it starts
-its engine, and the engine's processes and threads, started later, inherit their creator's.
-Elsewhere than Linux this does nothing.
+Only the engine processes (engine core and workers: the model's compute) are lowered. The
+replica itself, the pool's gate, queue and reports to the autoscaler, stays at the worker's
+priority: lowered with them, under a flood its reports went stale (more than 5 s apart)
+because the load generator, proxy and router of that very flood ran first.
+
+Nice values belong to threads on Linux: every thread of every engine process is set, and
+threads and processes the engine starts later inherit their creator's value. Elsewhere than
+Linux this does nothing.
 """
 
 from __future__ import annotations
@@ -41,18 +45,13 @@ def renice(pids: list[int], nice: int) -> int:
     return changed
 
 
-def lower_replica(nice: int) -> None:
-    """This replica process, before it starts its engine (whose processes inherit it)."""
+def lower_engines(nice: int) -> list[int]:
+    """This replica's engine processes and everything under them, raised to `nice`; their pids."""
+    pids = descendants([pid for pid, _ in engine_children(os.getpid())]) if PROC.is_dir() else []
     if nice > 0:
-        changed = renice([os.getpid()], nice)
-        log.info("replica %d at nice %d (%d threads changed)", os.getpid(), nice, changed)
-
-
-def engine_pids() -> list[int]:
-    """This replica's engine processes and everything under them."""
-    if not PROC.is_dir():
-        return []
-    return descendants([pid for pid, _ in engine_children(os.getpid())])
+        changed = renice(pids, nice)
+        log.info("engine processes %s at nice %d (%d threads changed)", pids, nice, changed)
+    return pids
 
 
 def niceness(pid: int) -> int | None:

@@ -59,7 +59,7 @@ class PoolSettings:
     fingerprint_base: dict[str, Any]  # model, dtype, quantization, max_model_len, ceilings
     profile_fingerprint: Fingerprint | None = None  # None: uncalibrated (manual range)
     warmup_requests: int = 8
-    nice: int = 0  # Linux nice of the replica and its engine processes (pools.nice)
+    nice: int = 0  # Linux nice of the engine processes (pools.nice)
 
 
 def _replica_name() -> str:
@@ -129,9 +129,8 @@ class PoolServer(LLMServer):
         self._metrics = PoolMetrics(settings.name, self._replica)
         self._stale_reason = ""
         self._reporter: asyncio.Task | None = None
-        nice.lower_replica(settings.nice)  # before the engine starts: its processes inherit it
         await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
-        self._engine_pids = nice.engine_pids()  # describe() shows their nice values
+        self._engine_pids = nice.lower_engines(settings.nice)  # describe() shows their nice values
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         await self._warm_up()
         self._stale_reason = self._check_profile()

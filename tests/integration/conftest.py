@@ -66,9 +66,11 @@ class Stack:
         return r.json()
 
     def replica(self, pool: str) -> dict:
-        replicas = self.pools()[pool]["replicas"]
-        assert replicas, f"no fresh report from {pool}"
-        return replicas[0]
+        """The pool's replica as the controller last heard from it. Under a flood on these two
+        shared cores one report can come late (the controller logs each gap), so this waits a
+        few seconds for a fresh one instead of failing on the first look."""
+        return wait_for(lambda: (self.pools()[pool]["replicas"] or [None])[0], 10,
+                        what=f"a fresh report from {pool}")
 
     def fresh_replica(self, pool: str) -> dict:
         """The replica's first report made after this call: it counts everything done before."""

@@ -1,4 +1,4 @@
-"""A pool's processes at a lower CPU priority: every thread, never back up."""
+"""A pool's engine processes at a lower CPU priority: every thread, never back up; the replica stays."""
 
 from __future__ import annotations
 
@@ -46,3 +46,26 @@ def test_a_process_gone_is_skipped():
     proc.wait()
     assert nice.renice([proc.pid], 5) == 0
     assert nice.niceness(proc.pid) is None
+
+
+ENGINE = "import setproctitle, threading, time; setproctitle.setproctitle('VLLM::EngineCore'); " \
+         "threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); print('up', flush=True); time.sleep(30)"
+
+
+def test_the_engines_are_lowered_and_the_replica_is_not():
+    """What a pool replica does after its engine started: the engine's threads go to the
+    pool's nice, the replica's own (its gate and its reports) keep theirs."""
+    import os
+
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", TWO_THREADS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == other.stdout.readline().strip() == "up"
+        mine = nice.niceness(os.getpid())
+        assert nice.lower_engines(mine + 3) == [engine.pid]
+        assert _thread_nices(engine.pid) == [mine + 3, mine + 3]
+        assert nice.niceness(os.getpid()) == mine and _thread_nices(other.pid) == [mine, mine]
+    finally:
+        for p in (engine, other):
+            p.kill()
+            p.wait()
