@@ -7,7 +7,8 @@ Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and 
 the `LimitsDirective` in the reply. The controller never calls replicas, so a replica
 that cannot reach it keeps its last limits and keeps serving. A controller that starts
 (or restarts) knows no targets: it adopts the limits the replicas report, so a restart
-moves nothing.
+moves nothing. It cannot know when the limits last moved either, so adoption counts as a
+change: the cooldown and the latency window run from it.
 
 Stale profiles. A replica whose engine does not match its pool's calibration profile
 says so in its report; the pool's range is then pinned to its lowest step.
@@ -107,7 +108,9 @@ class Controller:
         allowed = self.allowed(stats.pool)
         if p.policy is None:
             adopted = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
-            p.policy = PolicyState(target=adopted)
+            # This controller cannot know when the one before it (if any) last moved the limits,
+            # and the replicas' P99s may predate that move: count its cooldown and settling from now.
+            p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
         target = p.pinned if p.pinned is not None else p.policy.target
         return LimitsDirective(allowed.limits_for(target), allowed, "pinned" if p.pinned is not None else "")

@@ -212,15 +212,39 @@ def controller(**config) -> tuple[Controller, Clock]:
 
 
 def test_controller_adopts_reported_limits_and_steps_up_under_a_queue():
+    """Adopted, not reset; and adoption counts as a change: the one before this controller may
+    have just moved the limits, so the first step waits out the cooldown and the latency window."""
     c, clock = controller()
-    assert c.report(stats(seqs=4)).limits.max_active_seqs == 4  # adopted, not reset
-    for _ in range(3):
+    assert c.report(stats(seqs=4)).limits.max_active_seqs == 4
+    for _ in range(6):
         clock.t += 5
         c.report(stats(seqs=4, queued=20))
         c.tick()
     assert c.target("p") == 8
     assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 8
-    assert [d.new for d in c.decisions() if d.old != d.new] == [8]
+    moves = [d for d in c.decisions() if d.old != d.new]
+    assert [d.new for d in moves] == [8] and moves[0].time == 30  # cooldown_s and latency_window_s: 30 s
+    assert {d.code for d in c.decisions() if 10 <= d.time < 30} == {"cooldown"}  # the queue persisted from 10 s
+
+
+def test_a_restarted_controller_does_not_act_on_latency_from_before_it():
+    """P99s over the SLO in the first reports a new controller sees hold the limit until a
+    whole latency window has passed since it adopted it (the integration test's failure: a
+    restart stepped a pool down on samples from before the last pin)."""
+    clock = Clock()
+    cfg = AutoscaleConfig(interval_s=2, cooldown_s=6, reversal_cooldown_s=12, latency_window_s=10)
+    c = Controller({"p": PoolSpec("p", RANGE, 1.0, 0.1, 32)}, cfg, clock, wall_clock=clock)
+    slow = dict(seqs=8, ttft=(5.0,) * 20)
+    c.report(stats(**slow))
+    for _ in range(4):
+        clock.t += 2
+        c.report(stats(**slow))
+        c.tick()
+    assert c.target("p") == 8  # t = 8: inside the window
+    clock.t += 2
+    c.report(stats(**slow))
+    c.tick()
+    assert c.target("p") == 4  # the breach outlasted the window: now it counts
 
 
 def test_controller_restart_resumes_from_reports():
