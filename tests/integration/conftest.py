@@ -81,10 +81,14 @@ class Stack:
     @contextlib.contextmanager
     def pinned(self, pool: str, seqs: int, calibrating: bool = True):
         """Hold a pool's limit for the duration of a block, and wait until replicas apply it."""
+        since = time.time()
         r = self.admin("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs,
                                                                      "calibrating": calibrating})
         assert r.status_code == 200, r.text
-        wait_for(lambda: self.replica(pool)["limits"]["max_active_seqs"] == seqs, 30, what=f"{pool} at {seqs}")
+        # A report made before the pin can show `seqs` while the reply to it, computed earlier,
+        # still moves the replica elsewhere: only a report made after the pin proves it applied.
+        wait_for(lambda: (lambda x: x["reported_at"] > since and x["limits"]["max_active_seqs"] == seqs)(
+            self.replica(pool)), 30, what=f"{pool} at {seqs}")
         try:
             yield
         finally:

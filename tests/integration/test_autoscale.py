@@ -121,5 +121,6 @@ def test_killed_controller_changes_nothing_and_resumes_from_reports(stack):
            if a.class_name == "ServeReplica:poolserve:autoscale-controller"]
     assert new and new[0].actor_id != actor.actor_id
     for pool, seqs in limits_before.items():
-        assert pools[pool]["target_max_active_seqs"] == seqs  # resumed from the replicas' reports
+        # resumed from the replicas' reports
+        assert pools[pool]["target_max_active_seqs"] == seqs, (pool, limits_before, pools[pool])
         assert stack.replica(pool)["limits"]["max_active_seqs"] == seqs
