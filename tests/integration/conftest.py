@@ -72,9 +72,10 @@ class Stack:
         return wait_for(lambda: (self.pools()[pool]["replicas"] or [None])[0], 10,
                         what=f"a fresh report from {pool}")
 
-    def fresh_replica(self, pool: str) -> dict:
-        """The replica's first report made after this call: it counts everything done before."""
-        since = time.time()
+    def fresh_replica(self, pool: str, since: float | None = None) -> dict:
+        """The replica's first report made after this call (or after `since`): it counts
+        everything done before."""
+        since = time.time() if since is None else since
         return wait_for(lambda: (lambda r: r if r["reported_at"] > since else None)(self.replica(pool)), 10,
                         what=f"a fresh report from {pool}")
 
@@ -87,8 +88,8 @@ class Stack:
         assert r.status_code == 200, r.text
         # A report made before the pin can show `seqs` while the reply to it, computed earlier,
         # still moves the replica elsewhere: only a report made after the pin proves it applied.
-        wait_for(lambda: (lambda x: x["reported_at"] > since and x["limits"]["max_active_seqs"] == seqs)(
-            self.replica(pool)), 30, what=f"{pool} at {seqs}")
+        wait_for(lambda: self.fresh_replica(pool, since)["limits"]["max_active_seqs"] == seqs, 30,
+                 what=f"{pool} at {seqs}")
         try:
             yield
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,6 @@ ENGINE = "import setproctitle, threading, time; setproctitle.setproctitle('VLLM:
 def test_the_engines_are_lowered_and_the_replica_is_not():
     """What a pool replica does after its engine started: the engine's threads go to the
     pool's nice, the replica's own (its gate and its reports) keep theirs."""
-    import os
-
     engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True)
     other = subprocess.Popen([sys.executable, "-c", TWO_THREADS], stdout=subprocess.PIPE, text=True)
     try:
