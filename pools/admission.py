@@ -28,8 +28,8 @@ class AsyncGate:
         self._waiters: dict[int, asyncio.Future[Ticket]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    def offer(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> "Pending":
-        ticket = self.gate.new_ticket(tenant, weight, priority, cost)
+    def offer(self, tenant: str, weight: float, priority: PriorityClass, cost: int, seqs: int = 1) -> "Pending":
+        ticket = self.gate.new_ticket(tenant, weight, priority, cost, seqs)
         waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = waiter
         self._apply(self.gate.offer(ticket))

@@ -11,15 +11,19 @@ Admission order:
      queued tenant with the smallest counter goes next, and a tenant that becomes active
      is lifted to the smallest active counter so that idle time earns no credit;
   3. the head of the chosen queue is admitted only if it fits the limits (active
-     sequences and in-flight tokens). A head that does not fit blocks everything behind
+     sequences, where a request of `n` choices is `n` sequences, and in-flight tokens).
+     A head that does not fit blocks everything behind
      it, so a large request is never starved by smaller ones. A request larger than the
      whole token budget runs alone. Borrowed work (another pool's, lent this pool's idle
      capacity) only fills what the pool's own work leaves free, and the pool's own work
      does not count it: chat that returns gets its slots at once, up to the engine ceiling.
 
-The queue is bounded in requests and tokens. When it is full, an arrival more important
-than the least important queued request evicts the newest such request; otherwise the
-arrival is rejected. Both carry a retry-after estimated from the observed drain rate.
+The queue is bounded in requests and tokens; the bound counts what still waits after an
+arrival was offered the free slots. When an arrival would overfill it, the newest queued
+requests less important than the arrival are evicted, least important first, but only when
+evicting them makes room; otherwise nobody is evicted and the arrival is rejected. Every
+rejection and eviction is returned to the caller, with a retry-after estimated from the
+observed drain rate.
 
 The wait window (offline pools): admission holds while fewer than `min_batch_tokens`
 are queued and the oldest request has waited less than `max_wait_s`. With a zero
@@ -29,10 +33,10 @@ window, or a queue already deeper than the free slots, nothing waits.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
-import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from pools.types import BatchLimits, GateStats, PriorityClass, SafeRange
 
@@ -64,11 +68,14 @@ class Ceilings:
 
 @dataclass
 class Ticket:
+    """One request at the gate: `seqs` sequences (its `n`) costing `cost` tokens in all."""
+
     id: int
     tenant: str
     weight: float
     priority: PriorityClass
     cost: int
+    seqs: int = 1
     enqueued_at: float = 0.0
     admitted_at: float | None = None
 
@@ -128,9 +135,9 @@ class _FairClass:
         self.counters[t.tenant] += tokens / t.weight
         self.last_served = self.counters[t.tenant]
 
-    def newest(self) -> Ticket | None:
-        tickets = [q[-1] for q in self.queues.values()]
-        return max(tickets, key=lambda t: t.id) if tickets else None
+    def newest_first(self) -> Iterator[Ticket]:
+        """Queued tickets from the newest, lazily (each tenant's queue is in arrival order)."""
+        return heapq.merge(*(reversed(q) for q in self.queues.values()), key=lambda t: -t.id)
 
     def oldest_enqueue(self) -> float | None:
         return min((q[0].enqueued_at for q in self.queues.values()), default=None)
@@ -153,8 +160,9 @@ class AdmissionGate:
         self._classes = {p: _FairClass() for p in PriorityClass}
         self._active: dict[int, Ticket] = {}
         self._queued: dict[int, Ticket] = {}
+        self._active_seqs = 0
         self._inflight_tokens = 0
-        self._borrowed = 0  # active borrowed requests and their tokens
+        self._borrowed_seqs = 0  # active borrowed sequences and their tokens
         self._borrowed_tokens = 0
         self._queued_tokens = 0
         self._ids = itertools.count(1)
@@ -191,41 +199,36 @@ class AdmissionGate:
         allowed = allowed or self._allowed
         checked = self._check(limits, allowed)
         if checked != self._limits:
-            self._peak = len(self._active)
+            self._peak = self._active_seqs
         self._limits, self._allowed = checked, allowed
         return self.poll()
 
     # -- requests ----------------------------------------------------------------
 
-    def new_ticket(self, tenant: str, weight: float, priority: PriorityClass, cost: int) -> Ticket:
-        return Ticket(next(self._ids), tenant, weight, priority, max(1, cost))
+    def new_ticket(self, tenant: str, weight: float, priority: PriorityClass, cost: int, seqs: int = 1) -> Ticket:
+        return Ticket(next(self._ids), tenant, weight, priority, max(1, cost), max(1, seqs))
 
     def offer(self, t: Ticket) -> Changes:
-        """Queue a ticket and admit what fits. The result names `t` if it was settled."""
-        now = self._clock()
-        t.enqueued_at = now
-        changes = Changes()
-        while self._is_full(t.cost):
-            victim = self._eviction_candidate(t.priority)
-            if victim is None:
-                self._counts["rejected"] += 1
-                return Changes(rejected=[Rejection(t, "queue_full", self.retry_after(now))])
-            self._remove_queued(victim)
-            self._counts["evicted"] += 1
-            changes.rejected.append(Rejection(victim, "evicted", self.retry_after(now)))
+        """Queue a ticket and admit what fits. Every ticket this settles is in the result:
+        `t` itself (admitted or rejected) and any queued ticket evicted to make room for it."""
+        t.enqueued_at = self._clock()
         self._queued[t.id] = t
         self._queued_tokens += t.cost
         self._classes[t.priority].push(t)
-        return changes.extend(self.poll())
+        changes = self.poll()
+        if t.id in self._queued and self._overfull():
+            changes.rejected += self._make_room(t)
+        return changes
 
     def release(self, ticket_id: int, used_tokens: int | None = None) -> Changes:
         """Free an admitted ticket's slot (completion, error or disconnect)."""
         t = self._active.pop(ticket_id, None)
         if t is None:
             return Changes()
+        self._active_seqs -= t.seqs
         self._inflight_tokens -= t.cost
         if t.priority == PriorityClass.BORROWED:
-            self._borrowed -= 1
+            self._borrowed_seqs -= t.seqs
             self._borrowed_tokens -= t.cost
         self._counts["completed"] += 1
         if used_tokens is not None:
@@ -253,11 +256,12 @@ class AdmissionGate:
             self._remove_queued(t)
             t.admitted_at = self._clock()
             self._active[t.id] = t
+            self._active_seqs += t.seqs
             self._inflight_tokens += t.cost
             if t.priority == PriorityClass.BORROWED:
-                self._borrowed += 1
+                self._borrowed_seqs += t.seqs
                 self._borrowed_tokens += t.cost
-            self._peak = max(self._peak, len(self._active))
+            self._peak = max(self._peak, self._active_seqs)
             self._classes[t.priority].charge(t, t.cost)
             self._record_admission(t.admitted_at)
             changes.admitted.append(t)
@@ -286,18 +290,19 @@ class AdmissionGate:
         if not self._active:
             return True  # an idle replica always runs one request, however large
         if t.priority == PriorityClass.BORROWED:
-            seqs, tokens = len(self._active), self._inflight_tokens
+            seqs, tokens = self._active_seqs, self._inflight_tokens
         else:
-            if len(self._active) >= self._ceilings.max_num_seqs:
+            if self._active_seqs + t.seqs > self._ceilings.max_num_seqs:
                 return False
-            seqs, tokens = len(self._active) - self._borrowed, self._inflight_tokens - self._borrowed_tokens
-        return seqs < self._limits.max_active_seqs and tokens + t.cost <= self._limits.max_inflight_tokens
+            seqs, tokens = self._active_seqs - self._borrowed_seqs, self._inflight_tokens - self._borrowed_tokens
+        return (seqs + t.seqs <= self._limits.max_active_seqs
+                and tokens + t.cost <= self._limits.max_inflight_tokens)
 
     def _holding(self) -> bool:
         q = self._queue
         if q.max_wait_s <= 0 or not self._queued:
             return False
-        free_slots = self._limits.max_active_seqs - len(self._active)
+        free_slots = self._limits.max_active_seqs - self._active_seqs
         if len(self._queued) >= free_slots or self._queued_tokens >= q.min_batch_tokens:
             return False
         oldest = self._oldest_enqueue()
@@ -306,18 +311,30 @@ class AdmissionGate:
     def _oldest_enqueue(self) -> float | None:
         return min((x for c in self._classes.values() if (x := c.oldest_enqueue()) is not None), default=None)
 
-    def _is_full(self, cost: int) -> bool:
-        return (len(self._queued) + 1 > self._queue.max_queued
-                or self._queued_tokens + cost > self._queue.max_queued_tokens)
+    def _overfull(self, freed: int = 0, freed_tokens: int = 0) -> bool:
+        return (len(self._queued) - freed > self._queue.max_queued
+                or self._queued_tokens - freed_tokens > self._queue.max_queued_tokens)
 
-    def _eviction_candidate(self, arriving: PriorityClass) -> Ticket | None:
+    def _make_room(self, t: Ticket) -> list[Rejection]:
+        """Evict the newest waiters less important than `t`, least important first, if that
+        makes room for it; else evict nobody and reject `t`."""
+        now = self._clock()
+        victims: list[Ticket] = []
         for p in reversed(PriorityClass):
-            if p <= arriving:
-                return None
-            newest = self._classes[p].newest()
-            if newest is not None:
-                return newest
-        return None
+            if p <= t.priority or not self._overfull(len(victims), sum(v.cost for v in victims)):
+                break
+            for v in self._classes[p].newest_first():
+                victims.append(v)
+                if not self._overfull(len(victims), sum(x.cost for x in victims)):
+                    break
+        if self._overfull(len(victims), sum(v.cost for v in victims)):
+            self._remove_queued(t)
+            self._counts["rejected"] += 1
+            return [Rejection(t, "queue_full", self.retry_after(now))]
+        for v in victims:
+            self._remove_queued(v)
+        self._counts["evicted"] += len(victims)
+        return [Rejection(v, "evicted", self.retry_after(now)) for v in victims]
 
     def _remove_queued(self, t: Ticket) -> None:
         del self._queued[t.id]
@@ -352,7 +369,8 @@ class AdmissionGate:
         now = self._clock()
         oldest = self._oldest_enqueue()
         return GateStats(
-            active=len(self._active),
+            active=self._active_seqs,
+            active_requests=len(self._active),
             inflight_tokens=self._inflight_tokens,
             queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
             queued_tokens=self._queued_tokens,
@@ -372,7 +390,3 @@ class AdmissionGate:
     def is_active(self, ticket_id: int) -> bool:
         return ticket_id in self._active
 
-
-def ceil_seconds(seconds: float) -> int:
-    """A Retry-After header value: whole seconds, at least one."""
-    return max(1, math.ceil(seconds))

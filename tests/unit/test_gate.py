@@ -274,3 +274,50 @@ def test_engine_ceiling_caps_own_plus_borrowed():
     offer(gate, "chat", P.INTERACTIVE)
     _, ch = offer(gate, "chat", P.INTERACTIVE)
     assert ch.admitted == [] and gate.stats().active == 3  # max_num_seqs 3 reached
+
+
+def test_eviction_that_cannot_make_room_evicts_nobody():
+    """Token bound 1000: an interactive 800 and a batch 100 wait; an interactive 300 arrives.
+    Evicting the batch ticket would not make room, so it stays and the arrival is refused."""
+    gate, _ = make_gate(seqs=1, max_queued=100, max_queued_tokens=1000)
+    offer(gate, prio=P.STANDARD, cost=10)  # holds the only slot
+    big, _ = offer(gate, prio=P.INTERACTIVE, cost=800)
+    small, _ = offer(gate, prio=P.BATCH, cost=100)
+    late, ch = offer(gate, prio=P.INTERACTIVE, cost=300)
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(late, "queue_full")]
+    assert gate.is_queued(big.id) and gate.is_queued(small.id) and not gate.is_queued(late.id)
+    assert gate.stats().evicted == 0 and gate.stats().queued_tokens == 900
+
+
+def test_eviction_takes_as_many_as_room_needs_least_important_first():
+    gate, _ = make_gate(seqs=1, max_queued=100, max_queued_tokens=1000)
+    offer(gate, prio=P.STANDARD, cost=10)
+    borrowed, _ = offer(gate, prio=P.BORROWED, cost=300)
+    batch_old, _ = offer(gate, prio=P.BATCH, cost=300)
+    batch_new, _ = offer(gate, prio=P.BATCH, cost=300)
+    chat, ch = offer(gate, prio=P.INTERACTIVE, cost=500)  # 1400 queued: 400 must go
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(borrowed, "evicted"), (batch_new, "evicted")]
+    assert gate.is_queued(chat.id) and gate.is_queued(batch_old.id)
+    assert gate.stats().queued_tokens == 800 and gate.stats().evicted == 2
+
+
+def test_a_request_of_n_choices_holds_n_sequences():
+    gate, _ = make_gate(seqs=4, tokens=100_000)
+    one, ch = offer(gate, cost=10)
+    assert ch.admitted == [one]
+    t = gate.new_ticket("a", 1.0, P.STANDARD, 40, seqs=4)
+    assert gate.offer(t).admitted == []  # 1 + 4 > 4
+    assert gate.stats().active == 1 and gate.stats().queued == 1
+    assert gate.release(one.id).admitted == [t]
+    assert gate.stats().active == 4 and gate.stats().active_requests == 1
+
+
+def test_n_above_the_limit_runs_only_alone():
+    gate, _ = make_gate(seqs=1, tokens=100_000)
+    first, _ = offer(gate, cost=10)
+    wide = gate.new_ticket("a", 1.0, P.STANDARD, 160, seqs=16)
+    assert gate.offer(wide).admitted == []  # not while another request runs
+    assert gate.release(first.id).admitted == [wide]  # an idle replica runs it alone
+    assert gate.stats().active == 16
+    _, ch = offer(gate, cost=10)
+    assert ch.admitted == []
