@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from router.quota import Charge, Denied, Grant, LeaseBook, Need, Quota, QuotaLedger
 
@@ -20,17 +20,18 @@ log = logging.getLogger("poolserve.router")
 
 
 class LedgerService:
-    def __init__(self, quotas: dict[str, Quota]) -> None:
-        self._ledger = QuotaLedger(quotas, time.monotonic())
+    def __init__(self, quotas: dict[str, Quota], clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ledger = QuotaLedger(quotas, clock())
 
     async def grant(self, tenant: str, holder: str, need: Need) -> Grant:
-        return self._ledger.grant(tenant, holder, need, time.monotonic())
+        return self._ledger.grant(tenant, holder, need, self._clock())
 
-    async def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots: int) -> Grant:
-        return self._ledger.settle(tenant, holder, requests, tokens, slots, time.monotonic())
+    async def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots_held: int) -> Grant:
+        return self._ledger.settle(tenant, holder, requests, tokens, slots_held, self._clock())
 
     async def usage(self, tenant: str) -> dict[str, float]:
-        return self._ledger.usage(tenant, time.monotonic())
+        return self._ledger.usage(tenant, self._clock())
 
 
 class QuotaExceeded(Exception):
@@ -39,33 +40,57 @@ class QuotaExceeded(Exception):
         self.denied = denied
 
 
+class QuotaUnavailable(Exception):
+    """The ledger could not be reached to refill a lease: the request is refused (503)."""
+
+
 class QuotaClient:
-    def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float, sync_interval_s: float) -> None:
+    """A router replica's leases, refilled from the ledger one tenant at a time.
+
+    A refill runs under the tenant's lock and is shielded from its caller: a client that
+    leaves while the ledger answers does not lose what the ledger granted (it stays in the
+    lease for the next request, and goes back at the next sync)."""
+
+    MAX_REFILLS = 4  # per charge: other requests may spend a refill before this one charges
+
+    def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float, sync_interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._ledger = ledger  # a handle to LedgerService (or the object itself in tests)
         self._book = LeaseBook(quotas, lease_fraction)
         self._holder = uuid.uuid4().hex[:12]
         self._locks = {t: asyncio.Lock() for t in quotas}
         self._sync_interval_s = sync_interval_s
+        self._clock = clock
         self._syncer: asyncio.Task | None = None
 
-    async def charge(self, tenant: str, tokens: int) -> Charge:
-        """Charge one request of `tokens`; raise QuotaExceeded with an honest retry-after."""
+    async def charge(self, tenant: str, tokens: int, new_request: bool = True) -> Charge:
+        """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
+        QuotaExceeded with an honest retry-after, or QuotaUnavailable."""
         self._ensure_syncer()
-        result = self._book.try_charge(tenant, tokens)
-        if isinstance(result, Charge):
-            return result
-        async with self._locks[tenant]:
-            result = self._book.try_charge(tenant, tokens)  # another task may have refilled
+        for _ in range(self.MAX_REFILLS):
+            result = self._book.try_charge(tenant, tokens, new_request)
             if isinstance(result, Charge):
                 return result
-            grant = await self._remote("grant", tenant, self._holder, result)
-            denied = self._book.add(tenant, grant, time.monotonic())
+            denied = await asyncio.shield(self._refill(tenant, tokens, new_request))
             if denied is not None:
                 raise QuotaExceeded(denied)
-            result = self._book.try_charge(tenant, tokens)
-            if isinstance(result, Need):  # cannot happen: the grant covered the shortfall
-                raise RuntimeError(f"lease for {tenant} still short after a grant: {result}")
-            return result
+        raise QuotaExceeded(Denied("contention", 1.0, *self.remaining(tenant)))
+
+    async def charge_tokens(self, charge: Charge, tokens: int) -> Charge:
+        """Add `tokens` to a request already charged; the result is the request's one charge."""
+        more = await self.charge(charge.tenant, tokens, new_request=False)
+        return Charge(charge.tenant, charge.tokens + more.tokens)
+
+    async def _refill(self, tenant: str, tokens: int, new_request: bool) -> Denied | None:
+        async with self._locks[tenant]:
+            need = self._book.need(tenant, tokens, new_request)
+            if need is None:  # another request's refill covered this one too
+                return None
+            try:
+                grant = await self._remote("grant", tenant, self._holder, need)
+            except Exception as e:
+                raise QuotaUnavailable(f"{type(e).__name__}: {e}") from e
+            return self._book.add(tenant, grant, self._clock())
 
     def finish(self, charge: Charge, used_tokens: int | None) -> None:
         self._book.finish(charge, used_tokens)
@@ -88,15 +113,29 @@ class QuotaClient:
         if self._syncer is None:
             self._syncer = asyncio.get_running_loop().create_task(self._sync_loop())
 
+    async def sync(self) -> None:
+        """Hand unused balances back so other router replicas can spend them, and tell the
+        ledger how many slots this replica holds. The call is shielded: once the balances
+        left the lease they reach the ledger even if the sync is cancelled. A failed call
+        loses the requests and tokens it gave back (never double-spends them; the buckets
+        refill), keeps a debt it carried for the next sync (which may charge it twice if only
+        the reply was lost: the tenant, not the quota, pays for a lost reply), and the next
+        sync's slot count puts the slots right."""
+        for tenant, lock in self._locks.items():
+            async with lock:
+                req, tok, held = self._book.surplus(tenant)
+                try:
+                    grant = await asyncio.shield(self._remote("settle", tenant, self._holder, req, tok, held))
+                except Exception as e:  # ledger away
+                    log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
+                    self._book.owe(tenant, min(0.0, tok))
+                    continue
+                self._book.add(tenant, grant, self._clock())
+
     async def _sync_loop(self) -> None:
-        """Hand unused balances back so other router replicas can spend them."""
         while True:
             await asyncio.sleep(self._sync_interval_s)
-            for tenant in self._locks:
-                async with self._locks[tenant]:
-                    req, tok, slots = self._book.surplus(tenant)
-                    try:
-                        grant = await self._remote("settle", tenant, self._holder, req, tok, slots)
-                        self._book.add(tenant, grant, time.monotonic())
-                    except Exception as e:  # ledger away: balances are lost, never double-spent
-                        log.warning("quota ledger unreachable while settling %s: %s", tenant, e)
+            try:
+                await self.sync()
+            except Exception:  # a bug in one sync must not end the loop
+                log.exception("quota sync failed")

@@ -12,9 +12,14 @@ one Ray actor). A router replica does not call it per request: it holds a `Lease
 (some requests, tokens and slots taken from the ledger in advance) and spends locally.
 When its balance cannot cover a request it asks for the shortfall plus a chunk; the
 ledger grants all of the shortfall or nothing, and says how long until it could.
-A request is charged its prompt tokens plus `max_tokens`; when it ends, the part it did
-not use (real `usage`) is refunded to the local balance. Unused balances go back to the
-ledger at each sync, so other replicas can spend them.
+A request is charged in two steps: one request and one concurrency slot before its body is
+read (so a flood of large bodies is paid for before it costs the router anything), then
+its tokens once they are counted: every prompt token plus `n` x `max_tokens`. When it ends,
+its real usage settles the difference: the unused part is refunded, usage above the charge
+is debited (a balance may go below zero; the next grant pays the debt). Unused balances go
+back to the ledger at each sync, so other replicas can spend them, and each sync tells the
+ledger how many slots the replica holds in all (not a difference), so a lost call never
+leaks a slot for good.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class TokenBucket:
     def give_back(self, n: float, now: float) -> None:
         self._refill(now)
         self.level = min(self.capacity, self.level + n)
+
+    def debit(self, n: float, now: float) -> None:
+        """Take `n` even if the level goes below zero: usage that exceeded its charge."""
+        self._refill(now)
+        self.level -= n
 
     def time_until(self, n: float, now: float) -> float:
         """Seconds until `n` units are available (inf if n exceeds the capacity)."""
@@ -134,16 +144,20 @@ class QuotaLedger:
             acct.slots_out[holder] = acct.slots_out.get(holder, 0) + slots
         return Grant(req, tok, slots, 0.0, "", *self._remaining(acct, now))
 
-    def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots: int, now: float) -> Grant:
-        """Take back unused requests, tokens and slots; report what remains."""
+    def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots_held: int,
+               now: float) -> Grant:
+        """Take back unused requests and tokens (negative tokens: a debt, debited), and record
+        how many slots the holder now holds in all; report what remains."""
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         if acct.requests is not None and requests > 0:
             acct.requests.give_back(requests, now)
         if acct.tokens is not None and tokens > 0:
             acct.tokens.give_back(tokens, now)
-        if slots:
-            acct.slots_out[holder] = max(0, acct.slots_out.get(holder, 0) - slots)
+        elif acct.tokens is not None and tokens < 0:
+            acct.tokens.debit(-tokens, now)
+        if acct.quota.max_concurrent is not None:
+            acct.slots_out[holder] = max(0, slots_held)
         return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now))
 
     def usage(self, tenant: str, now: float) -> dict[str, float]:
@@ -239,25 +253,34 @@ class LeaseBook:
     def lease(self, tenant: str) -> Lease:
         return self._leases[tenant]
 
-    def try_charge(self, tenant: str, tokens: int) -> Charge | Need:
+    def need(self, tenant: str, tokens: int, new_request: bool = True) -> Need | None:
+        """What the ledger must grant before `try_charge` can succeed (None: nothing)."""
         q, lease = self._quotas[tenant], self._leases[tenant]
-        short_req = q.requests_per_min is not None and lease.requests < 1
-        short_tok = q.tokens_per_min is not None and lease.tokens < tokens
-        short_slot = q.max_concurrent is not None and lease.slots_free < 1
-        if short_req or short_tok or short_slot:
-            return Need(
-                requests=1 if short_req else 0,
-                tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
-                slots=1 if short_slot else 0,
-                extra_requests=self._chunk(q.requests_per_min),
-                extra_tokens=self._chunk(q.tokens_per_min),
-                extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
-            )
-        if q.requests_per_min is not None:
+        short_req = new_request and q.requests_per_min is not None and lease.requests < 1
+        short_tok = q.tokens_per_min is not None and tokens > 0 and lease.tokens < tokens
+        short_slot = new_request and q.max_concurrent is not None and lease.slots_free < 1
+        if not (short_req or short_tok or short_slot):
+            return None
+        return Need(
+            requests=1 if short_req else 0,
+            tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
+            slots=1 if short_slot else 0,
+            extra_requests=self._chunk(q.requests_per_min),
+            extra_tokens=self._chunk(q.tokens_per_min),
+            extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
+        )
+
+    def try_charge(self, tenant: str, tokens: int, new_request: bool = True) -> Charge | Need:
+        """Charge from the lease: one request and one slot (`new_request`) and `tokens`."""
+        need = self.need(tenant, tokens, new_request)
+        if need is not None:
+            return need
+        q, lease = self._quotas[tenant], self._leases[tenant]
+        if new_request and q.requests_per_min is not None:
             lease.requests -= 1
         if q.tokens_per_min is not None:
             lease.tokens -= tokens
-        if q.max_concurrent is not None:
+        if new_request and q.max_concurrent is not None:
             lease.slots_free -= 1
             lease.slots_used += 1
         return Charge(tenant, tokens)
@@ -278,26 +301,32 @@ class LeaseBook:
         return None
 
     def finish(self, charge: Charge, used_tokens: int | None) -> None:
-        """A request ended: free its slot and refund the tokens it did not use."""
+        """A request ended: free its slot and settle its tokens against the real usage, the
+        unused part refunded, usage above the charge debited. `None`: usage unknown, the
+        charge stands."""
         q, lease = self._quotas[charge.tenant], self._leases[charge.tenant]
         if q.max_concurrent is not None:
             lease.slots_used -= 1
             lease.slots_free += 1
         if q.tokens_per_min is not None and used_tokens is not None:
-            lease.tokens += max(0, charge.tokens - used_tokens)
+            lease.tokens += charge.tokens - used_tokens
 
     def surplus(self, tenant: str) -> tuple[float, float, int]:
-        """What to hand back to the ledger at a sync: unused requests, tokens and idle slots
-        beyond one chunk. The balances are zeroed (slots kept up to a chunk)."""
+        """What a sync hands back: unused requests and tokens (negative tokens: a debt) and
+        the slots this replica then holds in all (in use, plus idle ones up to a chunk).
+        The request and token balances are zeroed, idle slots beyond a chunk dropped."""
         q, lease = self._quotas[tenant], self._leases[tenant]
         req = lease.requests if q.requests_per_min is not None else 0
         tok = lease.tokens if q.tokens_per_min is not None else 0
         keep = self._chunk(q.max_concurrent) if q.max_concurrent else 0
-        slots = max(0, lease.slots_free - keep)
         lease.requests -= req
         lease.tokens -= tok
-        lease.slots_free -= slots
-        return req, tok, slots
+        lease.slots_free = min(lease.slots_free, keep)
+        return req, tok, lease.slots_used + lease.slots_free
+
+    def owe(self, tenant: str, debt: float) -> None:
+        """Put back a debt (negative tokens) that did not reach the ledger."""
+        self._leases[tenant].tokens += debt
 
     def remaining_requests(self, tenant: str) -> float:
         lease = self._leases[tenant]

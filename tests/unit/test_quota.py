@@ -106,12 +106,37 @@ def test_reconciliation_refunds_unused_tokens():
     assert b.lease("t").tokens == 700
 
 
+def test_usage_above_the_charge_is_debited_and_the_debt_goes_to_the_ledger():
+    led = ledger(tokens_per_min=10_000)
+    b = book(tokens_per_min=10_000)
+    b.add("t", led.grant("t", "r", b.try_charge("t", 100), 0.0), 0.0)  # 100 + a chunk of 1000
+    c = b.try_charge("t", 100)
+    b.finish(c, used_tokens=1500)  # the request saw 1,400 tokens more than it was charged for
+    assert b.lease("t").tokens == 1100 - 1500
+    need = b.try_charge("t", 10)
+    assert isinstance(need, Need) and need.tokens == 410  # the debt is paid by the next grant
+    req, tok, held = b.surplus("t")
+    led.settle("t", "r", req, tok, held, 0.0)
+    assert led.usage("t", 0.0)["remaining_tokens"] == 10_000 - 1500
+
+
+def test_a_sync_sets_the_slots_held_so_a_lost_grant_is_put_right():
+    led = ledger(max_concurrent=4)
+    assert led.grant("t", "r", Need(slots=1, extra_slots=3), 0.0).slots == 4  # its reply never arrives
+    assert not led.grant("t", "other", Need(slots=1), 0.0).granted
+    led.settle("t", "r", 0, 0, 0, 0.0)  # the replica holds none
+    assert led.grant("t", "other", Need(slots=1), 0.0).granted
+
+
 def test_surplus_goes_back_and_keeps_one_chunk_of_slots():
     b = book(tokens_per_min=10_000, max_concurrent=20)
     b.add("t", Grant(0, 900, 6, 0.0), 0.0)
-    req, tok, slots = b.surplus("t")
-    assert (req, tok, slots) == (0, 900, 4)
+    c = b.try_charge("t", 100)
+    req, tok, held = b.surplus("t")
+    assert (req, tok, held) == (0, 800, 3)  # held in all: one in use, two idle kept (a chunk)
     assert b.lease("t").tokens == 0 and b.lease("t").slots_free == 2
+    b.finish(c, 100)
+    assert b.surplus("t") == (0, 0, 2)
 
 
 def test_denied_grant_reports_retry_after_and_remaining():
@@ -142,3 +167,62 @@ def test_honest_retry_after_end_to_end_with_fake_clock():
 def test_unlimited_tenant_never_needs_the_ledger():
     b = LeaseBook({"t": Quota()}, 0.1)
     assert isinstance(b.try_charge("t", 10**6), Charge)
+
+
+class SlowLedger:
+    """The ledger service, each answer held until the test lets it through."""
+
+    def __init__(self, quotas) -> None:
+        from router.leases import LedgerService
+
+        self._service = LedgerService(quotas)
+        self.gate = None  # an asyncio.Event when calls should wait
+
+    async def grant(self, *args):
+        if self.gate is not None:
+            await self.gate.wait()
+        return await self._service.grant(*args)
+
+    async def settle(self, *args):
+        return await self._service.settle(*args)
+
+
+def test_a_client_leaving_during_a_grant_does_not_leak_the_slot():
+    import asyncio
+
+    from router.leases import QuotaClient
+
+    async def go():
+        quotas = {"t": Quota(max_concurrent=1)}
+        led = SlowLedger(quotas)
+        client = QuotaClient(led, quotas, 0.1, 3600)
+        led.gate = asyncio.Event()
+        first = asyncio.create_task(client.charge("t", 10))
+        await asyncio.sleep(0.01)
+        first.cancel()  # the client hangs up while the ledger grants its slot
+        led.gate.set()
+        await asyncio.sleep(0.01)
+        return await asyncio.wait_for(client.charge("t", 10), 1)  # the slot was not lost
+
+    assert isinstance(asyncio.run(go()), Charge)
+
+
+def test_a_lease_spent_by_others_during_a_grant_is_a_refusal_not_a_crash():
+    import asyncio
+
+    from router.leases import QuotaClient, QuotaExceeded
+
+    async def go():
+        quotas = {"t": Quota(tokens_per_min=300)}  # lease chunks of 30 tokens
+        led = SlowLedger(quotas)
+        client = QuotaClient(led, quotas, 0.1, 3600)
+        await client.charge("t", 50)  # granted 50 + 30: 30 left in the lease
+        led.gate = asyncio.Event()
+        big = asyncio.create_task(client.charge("t", 250))  # asks for the 220 left in the bucket
+        await asyncio.sleep(0.01)
+        await client.charge("t", 30)  # spends the lease while the grant is on its way
+        led.gate.set()
+        with pytest.raises(QuotaExceeded):
+            await big
+
+    asyncio.run(go())
