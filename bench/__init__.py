@@ -1,0 +1,2 @@
+"""Benchmarks (`make bench`): scenarios built on the library, their report, and nothing that
+the product imports."""

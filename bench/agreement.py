@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO
-from bench.loadgen import Target, Window, closed_loop, make_prompt, synthetic_lengths
+from infra.loadgen import Target, Window, closed_loop
+from infra.traffic import make_prompt, synthetic_lengths
 
 
 @dataclass(frozen=True)

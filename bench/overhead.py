@@ -26,7 +26,9 @@ import random
 import statistics
 
 from bench.common import KEYS, deploy, local_config, ray_cluster, write_result
-from bench.loadgen import Target, Window, _client, closed_loop, make_prompt, send, summarize, synthetic_lengths
+from infra.loadgen import Target, Window, _client, closed_loop, send
+from infra.results import summarize
+from infra.traffic import make_prompt, synthetic_lengths
 
 CONCURRENCY = 8
 ROUNDS = 2
@@ -75,14 +77,14 @@ async def _rounds(router: Target, direct: Target) -> dict:
 
 def run(stack, direct: Target) -> dict:
     """`stack`: poolserve; `direct`: the same engine behind stock ray.serve.llm, deployed beside it."""
-    stack.pin("online-chat", stack.resolved.pools["online-chat"].config.engine.max_num_seqs)
+    stack.admin.pin("online-chat", stack.resolved.pools["online-chat"].config.engine.max_num_seqs, calibrating=True)
     router = Target("http://127.0.0.1:8000/online/v1", KEYS["chat"])
     try:
         asyncio.run(closed_loop(direct, CONCURRENCY, LENGTHS, Window(0, 6)))  # warm the direct path
         latency = asyncio.run(_pairs(router, direct))
         runs = asyncio.run(_rounds(router, direct))
     finally:
-        stack.admin("DELETE", "/admin/pools/online-chat/limits")
+        stack.admin.unpin("online-chat")
     duration = WINDOW.measure_s * ROUNDS
     summary = {k: summarize(v, duration).to_json() for k, v in runs.items()}
     r, d = summary["router"], summary["direct"]

@@ -71,13 +71,3 @@ class KVBudget:
     def max_sequences(self, seq_tokens: int) -> int:
         """How many sequences of `seq_tokens` (prompt + output) fit at once."""
         return self.capacity_blocks // max(1, self.blocks_for(seq_tokens))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("percentile of an empty list")
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from pools.kv_budget import GIB, KVBudget, ModelShape, percentile
+from infra.stats import percentile
+from pools.kv_budget import GIB, KVBudget, ModelShape
 
 TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
         "head_dim": 64, "torch_dtype": "float32"}

@@ -1,13 +1,13 @@
 """The open loop's drain deadline: what still runs after it is cut off and counted."""
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
-from bench import loadgen
-from bench.loadgen import Target, Window, open_loop, synthetic_lengths
+from infra import loadgen
+from infra.loadgen import Target, Window, open_loop
+from infra.traffic import synthetic_lengths
 
 
 def _server(slow_after: int):

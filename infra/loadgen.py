@@ -23,119 +23,28 @@ counts are the engine's, not a count of SSE chunks.
 
 The generator must not be the bottleneck it measures: its connection pool is larger than
 the requests it keeps outstanding, each traffic class gets its own client (run a flood in
-its own process: `python -m bench.loadgen ...`), and it reports its own event-loop lag.
+its own process: `python -m infra.loadgen ...`), and it reports its own event-loop lag.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
-import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from pools.kv_budget import percentile
-
-TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "azure_llm_2023_conv.csv"
-WORDS = ("the batch queue token cache model request latency throughput prefill decode sequence pool tenant "
-         "quota chat offline online serve replica engine limit budget window knee range profile time first "
-         "output input length memory block kernel graph priority fair share").split()
-
-
-# -- lengths ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Lengths:
-    """A seeded source of (prompt tokens, output tokens) pairs, and optional arrival times."""
-
-    pairs: tuple[tuple[int, int], ...]
-    arrivals: tuple[float, ...] = ()
-    source: str = "synthetic"
-    scale: float = 1.0
-
-    def sample(self, rng: random.Random) -> tuple[int, int]:
-        return self.pairs[rng.randrange(len(self.pairs))]
-
-    def stats(self) -> dict:
-        def pct(xs):
-            return {"p50": int(percentile(xs, 50)), "p90": int(percentile(xs, 90)), "p99": int(percentile(xs, 99))}
-        p = [a for a, _ in self.pairs]
-        o = [b for _, b in self.pairs]
-        return {"prompt_tokens": pct(p), "output_tokens": pct(o), "total_tokens": pct([a + b for a, b in self.pairs])}
-
-
-def trace_lengths(max_model_len: int, path: Path = TRACE, scale: float | None = None,
-                  min_output: int = 4) -> Lengths:
-    """The trace's lengths, scaled so that its p99 total is half the context (or by `scale`),
-    clipped to fit the context; arrivals in seconds from the first row."""
-    rows = list(csv.DictReader(path.open()))
-    raw = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
-    if scale is None:
-        scale = (max_model_len / 2) / percentile([a + b for a, b in raw], 99)
-    pairs = []
-    for a, b in raw:
-        p, o = max(1, round(a * scale)), max(min_output, round(b * scale))
-        if p + o >= max_model_len:
-            p = max(1, max_model_len - o - 64)
-        pairs.append((p, o))
-    t0 = _ts(rows[0]["TIMESTAMP"])
-    arrivals = tuple(_ts(r["TIMESTAMP"]) - t0 for r in rows)
-    return Lengths(tuple(pairs), arrivals, f"azure_llm_2023_conv.csv x{scale:.3f}", scale)
-
-
-def _ts(text: str) -> float:
-    return datetime.strptime(text[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
-def synthetic_lengths(prompt: int, output: int, spread: float = 0.0, n: int = 1000, seed: int = 0) -> Lengths:
-    """Fixed lengths (spread 0) or lognormal around them."""
-    rng = random.Random(seed)
-    if spread <= 0:
-        return Lengths(((prompt, output),), source=f"fixed {prompt}/{output}")
-    pairs = tuple((max(1, int(rng.lognormvariate(math.log(prompt), spread))),
-                   max(2, int(rng.lognormvariate(math.log(output), spread)))) for _ in range(n))
-    return Lengths(pairs, source=f"lognormal {prompt}/{output} sigma {spread}")
-
-
-def make_prompt(tokens: int, rng: random.Random) -> str:
-    """Text of about `tokens` tokens for the tiny model's tokenizer (one word ~ one token)."""
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
+from infra.results import Result, Run
+from infra.stats import percentile
+from infra.traffic import Lengths, make_prompt, synthetic_lengths, trace_lengths
 
 
 # -- one request --------------------------------------------------------------------
-
-@dataclass
-class Result:
-    start: float
-    status: int = 0
-    ttft: float | None = None
-    e2e: float | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str = ""
-    pool: str = ""
-    borrowed: bool = False
-    retry_after: str | None = None
-    server_timing: dict[str, float] = field(default_factory=dict)  # poolserve's router: ms per step
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and not self.error
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
 
 @dataclass(frozen=True)
 class Target:
@@ -388,122 +297,10 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
                timeout_s=timeout_s)
 
 
-# -- summary -------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """Latencies count the requests that started in the measurement window; throughput
-    counts the requests that completed in it (so the tail still running at the end of a
-    closed loop is not credited to the window)."""
-
-    results: list[Result]
-    measure_from: float
-    measure_s: float
-    loop_lag: dict
-    mode: str
-    load: float
-    steady: bool = True
-    timeout_s: float | None = None
-
-    def measured(self) -> list[Result]:
-        end = self.measure_from + self.measure_s
-        return [r for r in self.results if self.measure_from <= r.start < end]
-
-    def completed_in_window(self) -> list[Result]:
-        end = self.measure_from + self.measure_s
-        return [r for r in self.results if r.ok and r.e2e is not None and self.measure_from <= r.start + r.e2e < end]
-
-    def summary(self, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> "Summary":
-        s = summarize(self.measured(), self.measure_s, ttft_slo_s, tpot_slo_s, self.loop_lag,
-                      self.completed_in_window(), self.timeout_s)
-        s.window_start = self.measure_from
-        return s
-
-    def split(self, seconds: list[float]) -> list["Run"]:
-        """Consecutive sub-windows of the measurement window, e.g. one per benchmark phase."""
-        out, start = [], self.measure_from
-        for s in seconds:
-            out.append(Run(self.results, start, s, self.loop_lag, self.mode, self.load, self.steady, self.timeout_s))
-            start += s
-        return out
-
-
-@dataclass
-class Summary:
-    requests: int
-    completed: int
-    duration_s: float
-    req_per_s: float
-    input_tok_per_s: float
-    output_tok_per_s: float
-    goodput_req_per_s: float | None
-    error_rate: float
-    rejection_rate: float
-    ttft_ms: dict
-    tpot_ms: dict
-    e2e_ms: dict
-    borrowed: int
-    timeouts: int = 0
-    ttft_ms_with_timeouts: dict = field(default_factory=dict)
-    statuses: dict = field(default_factory=dict)  # status -> count ("0": no response)
-    rejected_without_retry_after: int = 0
-    loop_lag_ms: dict = field(default_factory=dict)
-    window_start: float | None = None  # time.monotonic(): one clock for every process on the host
-    server_timing_ms: dict = field(default_factory=dict)  # poolserve's steps to the first token: p50/p99 each
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def _pcts(xs: list[float]) -> dict:
-    if not xs:
-        return {"p50": None, "p95": None, "p99": None, "n": 0}
-    return {"p50": percentile(xs, 50) * 1e3, "p95": percentile(xs, 95) * 1e3, "p99": percentile(xs, 99) * 1e3,
-            "n": len(xs)}
-
-
-def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None = None,
-              tpot_slo_s: float | None = None, loop_lag: dict | None = None,
-              completed: list[Result] | None = None, timeout_s: float | None = None) -> Summary:
-    """`results`: the requests whose latencies count; `completed`: those whose tokens count
-    towards throughput (default: the successful ones among `results`)."""
-    ok = [r for r in results if r.ok]
-    done = ok if completed is None else completed
-    n = max(1, len(results))
-    good = None
-    if ttft_slo_s is not None and tpot_slo_s is not None:
-        good = sum(1 for r in done if r.ttft is not None and r.ttft <= ttft_slo_s
-                   and (r.tpot is None or r.tpot <= tpot_slo_s)) / duration_s
-    return Summary(
-        requests=len(results), completed=len(ok), duration_s=duration_s,
-        req_per_s=len(done) / duration_s,
-        input_tok_per_s=sum(r.prompt_tokens for r in done) / duration_s,
-        output_tok_per_s=sum(r.output_tokens for r in done) / duration_s,
-        goodput_req_per_s=good,
-        error_rate=sum(1 for r in results if not r.ok and r.status != 429) / n,
-        rejection_rate=sum(1 for r in results if r.status == 429) / n,
-        ttft_ms=_pcts([r.ttft for r in ok if r.ttft is not None]),
-        tpot_ms=_pcts([r.tpot for r in ok if r.tpot is not None]),
-        e2e_ms=_pcts([r.e2e for r in ok if r.e2e is not None]),
-        borrowed=sum(1 for r in ok if r.borrowed),
-        timeouts=sum(1 for r in results if r.error == "timeout"),
-        statuses={str(k): sum(1 for r in results if r.status == k) for k in sorted({r.status for r in results})},
-        rejected_without_retry_after=sum(1 for r in results if r.status == 429 and not r.retry_after),
-        # a request that timed out before its first token had a TTFT of at least its wait (the
-        # timeout, or the time until it was cut off): counted at that lower bound, so a tail
-        # of timeouts is not hidden; one cut off after its first token counts its real TTFT
-        ttft_ms_with_timeouts=_pcts([r.ttft for r in results if r.status == 200 and r.ttft is not None] + [
-            r.e2e or timeout_s for r in results if r.error == "timeout" and r.ttft is None and (r.e2e or timeout_s)]),
-        loop_lag_ms=loop_lag or {},
-        server_timing_ms={step: _pcts([r.server_timing[step] / 1e3 for r in ok if step in r.server_timing])
-                          for step in dict.fromkeys(k for r in ok for k in r.server_timing)},
-    )
-
-
 # -- CLI: one traffic class per process ---------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.loadgen", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m infra.loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/offline/v1")
     p.add_argument("--key", required=True)
     p.add_argument("--chat", action="store_true")

@@ -9,8 +9,10 @@ Each process creates only the group it needs, lazily, so importing this is free.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from pools.types import GateStats, EngineStats, PriorityClass, SafeRange
+if TYPE_CHECKING:  # annotations only: infra imports no poolserve package
+    from pools.types import EngineStats, GateStats, PriorityClass, SafeRange
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120]
 TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
@@ -44,11 +46,6 @@ NAMES = {
     "decisions": "poolserve_autoscale_decisions_total",
     "target_seqs": "poolserve_autoscale_target_seqs",
 }
-
-
-def exported(name_key: str) -> str:
-    """The name Prometheus sees for one of ours (Ray adds `ray_`)."""
-    return "ray_" + NAMES[name_key]
 
 
 def _metrics():
@@ -98,7 +95,7 @@ class PoolMetrics:
             "cancelled": m.Counter(NAMES["cancelled"], "Requests cancelled (client gone)", k),
         }
 
-    def state(self, gate: GateStats, engine: EngineStats, allowed: SafeRange, stale: bool) -> None:
+    def state(self, gate: "GateStats", engine: "EngineStats", allowed: "SafeRange", stale: bool) -> None:
         g, t = self._g, self._tags
         for prio, n in gate.queued_by_class.items():
             g["queue_depth"].set(n, {**t, "priority": prio})
@@ -111,21 +108,21 @@ class PoolMetrics:
         ):
             g[key].set(value, t)
 
-    def _rt(self, tenant: str, priority: PriorityClass) -> dict[str, str]:
+    def _rt(self, tenant: str, priority: "PriorityClass") -> dict[str, str]:
         return {"pool": self._pool, "tenant": tenant, "priority": priority.label}
 
-    def admitted(self, tenant: str, priority: PriorityClass, waited_s: float) -> None:
+    def admitted(self, tenant: str, priority: "PriorityClass", waited_s: float) -> None:
         tags = self._rt(tenant, priority)
         self._h["admitted"].inc(1, tags)
         self._h["queue_wait"].observe(waited_s, tags)
 
-    def rejected(self, tenant: str, priority: PriorityClass, reason: str) -> None:
+    def rejected(self, tenant: str, priority: "PriorityClass", reason: str) -> None:
         self._h["rejected"].inc(1, {**self._rt(tenant, priority), "reason": reason})
 
-    def cancelled(self, tenant: str, priority: PriorityClass) -> None:
+    def cancelled(self, tenant: str, priority: "PriorityClass") -> None:
         self._h["cancelled"].inc(1, self._rt(tenant, priority))
 
-    def latency(self, tenant: str, priority: PriorityClass, ttft_s: float | None, tpot_s: float | None) -> None:
+    def latency(self, tenant: str, priority: "PriorityClass", ttft_s: float | None, tpot_s: float | None) -> None:
         tags = self._rt(tenant, priority)
         if ttft_s is not None:
             self._h["ttft"].observe(ttft_s, tags)
