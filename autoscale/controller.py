@@ -5,10 +5,15 @@ thin asyncio shell that Serve deploys: it ticks every `interval_s` and exports m
 
 Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and applies
 the `LimitsDirective` in the reply. The controller never calls replicas, so a replica
-that cannot reach it keeps its last limits and keeps serving. A controller that starts
-(or restarts) knows no targets: it adopts the limits the replicas report, so a restart
-moves nothing. It cannot know when the limits last moved either, so adoption counts as a
-change: the cooldown and the latency window run from it.
+that cannot reach it keeps its last limits and keeps serving. Each change of a pool's
+limits takes the pool's next epoch; replicas echo the epoch they applied, so operators
+and tools know when a change is in force (`PoolStatus.applied`).
+
+Restarts. What operators set (pins, SLOs, lending) is kept in a `StateStore` (Ray's GCS
+key-value store when deployed) and read back by a restarted controller. The target itself
+is not: a controller that starts adopts the limits the replicas report, so a restart moves
+nothing. It cannot know when the limits last moved either, so adoption counts as a change:
+the cooldown and the latency window run from it.
 
 Stale profiles. A replica whose engine does not match its pool's calibration profile
 says so in its report; the pool's range is then pinned to its lowest step.
@@ -16,17 +21,19 @@ says so in its report; the pool's range is then pinned to its lowest step.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, PoolSnapshot, Reason, decide
-from pools.kv_budget import percentile
-from pools.types import LimitsDirective, ReplicaStats, SafeRange
+from autoscale.policy import PolicyConfig, PolicyState, Reason, decide
+from infra.state import MemoryStore, StateStore
+from infra.stats import percentile
+from pools.control import (DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus, PoolView, ReplicaStats,
+                           ReplicaStatus, SloJson)
+from pools.types import SafeRange
 
 log = logging.getLogger("poolserve.autoscale")
 
@@ -41,54 +48,35 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
-class Decision:
-    time: float  # wall clock (seconds since the epoch), for people and logs
-    pool: str
-    old: int
-    new: int
-    action: str
-    code: str
-    reason: str
-    applied: bool
+class Operator:
+    """What operators set on a pool: kept across controller restarts."""
 
-
-@dataclass(frozen=True)
-class PoolView:
-    """What the router needs to know about a pool: capacity and load across replicas."""
-
-    pool: str
-    replicas: int
-    capacity: int
-    active: int
-    queued: int
-    fresh: bool
-    calibrating: bool = False  # pinned for a sweep: no borrowing into or out of it
-    lending: bool = True  # an operator may stop other pools borrowing this one
+    pinned: int | None = None
+    calibrating: bool = False
+    lending: bool = True
+    slo: SloJson | None = None  # None: the config's
+    epoch: int = 0  # the highest epoch handed out, so a restarted controller never reuses one
 
 
 @dataclass
 class _PoolState:
     spec: PoolSpec
+    operator: Operator = field(default_factory=Operator)
     policy: PolicyState | None = None  # None until the first report is adopted
-    reports: dict[str, tuple[float, ReplicaStats]] = None  # replica -> (received, stats)
-    pinned: int | None = None
-    calibrating: bool = False
-    lending: bool = True
+    reports: dict[str, tuple[float, ReplicaStats]] = field(default_factory=dict)  # replica -> (received, stats)
     stale_reason: str = ""
     last_logged: str = ""
-
-    def __post_init__(self) -> None:
-        self.reports = {}
 
 
 class Controller:
     def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, clock: Callable[[], float],
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, store: StateStore | None = None) -> None:
         self._config = config
         self._clock = clock
         self._wall = wall_clock
-        self._pools = {name: _PoolState(spec) for name, spec in specs.items()}
-        self._log: collections.deque[Decision] = collections.deque(maxlen=config.decision_log_size)
+        self._store = store or MemoryStore()
+        self._pools = {name: _PoolState(spec, self._restore(name)) for name, spec in specs.items()}
+        self._log: collections.deque[DecisionJson] = collections.deque(maxlen=config.decision_log_size)
 
     # -- replica protocol --------------------------------------------------------
 
@@ -101,8 +89,11 @@ class Controller:
                         "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0],
                         self._config.stats_max_age_s)
         p.reports[stats.replica] = (now, stats)
+        if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
+            self._set(p, epoch=stats.applied_epoch)
         if stats.profile_stale and not p.stale_reason:
             p.stale_reason = stats.stale_reason or "profile fingerprint differs from the engine"
+            self._bump(p)
             log.warning("pool %s: calibration profile is stale (%s); pinned to the bottom of its range",
                         stats.pool, p.stale_reason)
         allowed = self.allowed(stats.pool)
@@ -112,34 +103,36 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
-        target = p.pinned if p.pinned is not None else p.policy.target
-        return LimitsDirective(allowed.limits_for(target), allowed, "pinned" if p.pinned is not None else "")
+        target = self.target(stats.pool)
+        return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch,
+                               "pinned" if p.operator.pinned is not None else "")
 
     # -- decisions ---------------------------------------------------------------
 
-    def tick(self) -> list[Decision]:
+    def tick(self) -> list[DecisionJson]:
         return [d for name in self._pools if (d := self._decide(name)) is not None]
 
-    def _decide(self, name: str) -> Decision | None:
+    def _decide(self, name: str) -> DecisionJson | None:
         p, now = self._pools[name], self._clock()
-        if p.policy is None or p.pinned is not None:
+        if p.policy is None or p.operator.pinned is not None:
             return None
-        snap = self.snapshot(name)
-        cfg = self._policy_config(p)
         old = p.policy.target
-        new, state, reason = decide(snap, p.policy, cfg, now)
+        new, state, reason = decide(self.snapshot(name), p.policy, self._policy_config(p), now)
         applied = not self._config.dry_run
         if applied:
             p.policy = state
+            if new != old:
+                self._bump(p)
         else:
             # Dry run: keep the bookkeeping (queue ticks, counters) but never the move.
             p.policy = replace(state, target=old, last_change_at=p.policy.last_change_at,
                                last_direction=p.policy.last_direction)
-        decision = Decision(self._wall(), name, old, new, reason.action, reason.code, reason.text, applied)
+        decision = DecisionJson(time=self._wall(), pool=name, old=old, new=new, action=reason.action,
+                                code=reason.code, reason=reason.text, applied=applied)
         self._remember(p, decision, reason)
         return decision
 
-    def _remember(self, p: _PoolState, d: Decision, reason: Reason) -> None:
+    def _remember(self, p: _PoolState, d: DecisionJson, reason: Reason) -> None:
         key = f"{d.action}:{d.code}"
         if d.old != d.new or key != p.last_logged:
             self._log.append(d)
@@ -149,9 +142,9 @@ class Controller:
                     "" if d.applied else " (dry run, not applied)")
 
     def _policy_config(self, p: _PoolState) -> PolicyConfig:
-        c = self._config
+        c, slo = self._config, self.slo(p.spec.name)
         return PolicyConfig(
-            safe_range=self.allowed(p.spec.name), ttft_slo_s=p.spec.ttft_slo_s, tpot_slo_s=p.spec.tpot_slo_s,
+            safe_range=self.allowed(p.spec.name), ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
             cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
             headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
             settle_s=c.latency_window_s, min_step_gain=c.min_step_gain,
@@ -185,33 +178,45 @@ class Controller:
 
     def allowed(self, name: str) -> SafeRange:
         p = self._pools[name]
+        return self._range(p, p.operator.calibrating)
+
+    def _range(self, p: _PoolState, calibrating: bool) -> SafeRange:
         r = p.spec.safe_range
-        if p.calibrating:
+        if calibrating:
             ladder = tuple(range(1, p.spec.max_num_seqs + 1))
             return SafeRange(ladder, 1, p.spec.max_num_seqs, r.tokens_per_seq, r.max_inflight_tokens)
         return r.clamp_to_low() if p.stale_reason else r
 
+    def slo(self, name: str) -> SloJson:
+        p = self._pools[name]
+        return p.operator.slo or SloJson(ttft_p99_ms=p.spec.ttft_slo_s * 1e3, tpot_p99_ms=p.spec.tpot_slo_s * 1e3)
+
     def target(self, name: str) -> int | None:
         p = self._pools[name]
-        if p.pinned is not None:
-            return p.pinned
+        if p.operator.pinned is not None:
+            return p.operator.pinned
         return None if p.policy is None else p.policy.target
 
     def views(self) -> dict[str, PoolView]:
         out = {}
-        for name in self._pools:
+        for name, p in self._pools.items():
             fresh, target = self._fresh(name), self.target(name)
-            replicas = max(1, len(fresh))
             seqs = target if target is not None else self.allowed(name).low
-            out[name] = PoolView(name, len(fresh), seqs * replicas, sum(s.gate.active for s in fresh),
-                                 sum(s.gate.queued for s in fresh), bool(fresh), self._pools[name].calibrating,
-                                 self._pools[name].lending)
+            out[name] = PoolView(name, len(fresh), seqs * max(1, len(fresh)), sum(s.gate.active for s in fresh),
+                                 sum(s.gate.queued for s in fresh), bool(fresh), p.operator.calibrating,
+                                 p.operator.lending)
         return out
 
-    def replica_stats(self, name: str) -> list[ReplicaStats]:
-        return self._fresh(name)
+    def status(self, name: str) -> PoolStatus:
+        p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
+        return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
+                          pinned=p.operator.pinned, calibrating=p.operator.calibrating,
+                          safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
+                          profile_stale=p.stale_reason, lending=p.operator.lending,
+                          snapshot=snap,
+                          replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
 
-    def decisions(self, limit: int = 100) -> list[Decision]:
+    def decisions(self, limit: int = 100) -> list[DecisionJson]:
         return list(self._log)[-limit:]
 
     def stale_reason(self, name: str) -> str:
@@ -219,64 +224,83 @@ class Controller:
 
     # -- operator actions --------------------------------------------------------
 
-    def pin(self, name: str, seqs: int, calibrating: bool = False) -> LimitsDirective:
+    def pin(self, name: str, seqs: int, calibrating: bool = False) -> PinResult:
         """Hold a pool at `seqs` (the autoscaler stops moving it) until `unpin`.
         `calibrating` widens the allowed range to [1, max_num_seqs] for a sweep."""
         p = self._pools[name]
-        previous = p.calibrating
-        p.calibrating = calibrating
-        allowed = self.allowed(name)
+        allowed = self._range(p, calibrating)
         if not allowed.low <= seqs <= allowed.high or seqs not in allowed.ladder:
-            p.calibrating = previous
-            raise ValueError(f"max_active_seqs={seqs} is outside pool {name!r}'s allowed range "
-                             f"[{allowed.low}, {allowed.high}] (ladder {list(allowed.steps)})"
-                             + ("" if calibrating else "; pass calibrating=true to sweep beyond it"))
-        p.pinned = seqs
-        self._log.append(Decision(self._wall(), name, self.target(name) or seqs, seqs, "pin", "operator",
-                                  "pinned by operator" + (" for calibration" if calibrating else ""), True))
-        return LimitsDirective(allowed.limits_for(seqs), allowed, "pinned")
+            return PinResult(pool=name, error=(
+                f"max_active_seqs={seqs} is outside pool {name!r}'s allowed range [{allowed.low}, {allowed.high}] "
+                f"(ladder {list(allowed.steps)})" + ("" if calibrating else "; pass calibrating=true to sweep beyond it")))
+        old = self.target(name)
+        self._set(p, pinned=seqs, calibrating=calibrating, epoch=p.operator.epoch + 1)
+        self._log.append(DecisionJson(time=self._wall(), pool=name, old=old or seqs, new=seqs, action="pin",
+                                      code="operator", applied=True,
+                                      reason="pinned by operator" + (" for calibration" if calibrating else "")))
+        limits = allowed.limits_for(seqs)
+        return PinResult(pool=name, pinned=seqs, max_inflight_tokens=limits.max_inflight_tokens,
+                         allowed=(allowed.low, allowed.high), epoch=p.operator.epoch)
 
-    def unpin(self, name: str) -> None:
+    def unpin(self, name: str) -> PinResult:
         p = self._pools[name]
-        if p.pinned is not None and p.policy is not None:
+        if p.operator.pinned is not None and p.policy is not None:
             # Resume from the pinned value; the next tick clamps it into the safe range.
-            p.policy = replace(p.policy, target=p.pinned, last_change_at=self._clock())
-        p.pinned, p.calibrating = None, False
+            p.policy = replace(p.policy, target=p.operator.pinned, last_change_at=self._clock())
+        self._set(p, pinned=None, calibrating=False, epoch=p.operator.epoch + 1)
+        return PinResult(pool=name, epoch=p.operator.epoch)
 
-    def set_slo(self, name: str, ttft_p99_ms: float, tpot_p99_ms: float) -> None:
-        p = self._pools[name]
-        p.spec = replace(p.spec, ttft_slo_s=ttft_p99_ms / 1e3, tpot_slo_s=tpot_p99_ms / 1e3)
-        log.info("pool %s: SLO set to P99 TTFT %.0f ms, P99 TPOT %.1f ms", name, ttft_p99_ms, tpot_p99_ms)
+    def set_slo(self, name: str, slo: SloJson) -> None:
+        self._set(self._pools[name], slo=slo)
+        log.info("pool %s: SLO set to P99 TTFT %.0f ms, P99 TPOT %.1f ms", name, slo.ttft_p99_ms, slo.tpot_p99_ms)
 
     def set_lending(self, name: str, enabled: bool) -> None:
-        self._pools[name].lending = enabled
+        self._set(self._pools[name], lending=enabled)
         log.info("pool %s: lending to other pools %s", name, "on" if enabled else "off")
 
     def spec(self, name: str) -> PoolSpec:
         return self._pools[name].spec
 
+    # -- operator state, kept across restarts ------------------------------------------
+
+    def _bump(self, p: _PoolState) -> None:
+        self._set(p, epoch=p.operator.epoch + 1)
+
+    def _set(self, p: _PoolState, **changes) -> None:
+        p.operator = replace(p.operator, **changes)
+        o = p.operator
+        self._store.put(f"pool/{p.spec.name}", {"pinned": o.pinned, "calibrating": o.calibrating,
+                                                "lending": o.lending, "epoch": o.epoch,
+                                                "slo": o.slo.model_dump() if o.slo else None})
+
+    def _restore(self, name: str) -> Operator:
+        saved = self._store.get(f"pool/{name}")
+        if not saved:
+            return Operator()
+        op = Operator(pinned=saved.get("pinned"), calibrating=bool(saved.get("calibrating")),
+                      lending=bool(saved.get("lending", True)), epoch=int(saved.get("epoch", 0)),
+                      slo=SloJson(**saved["slo"]) if saved.get("slo") else None)
+        log.info("pool %s: restored operator settings %s", name, op)
+        return op
+
 
 class ControllerService:
     """What Serve deploys: a Controller plus its tick loop and metrics."""
 
-    def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig) -> None:
-        from pools.logs import configure_logging
-        from pools.metrics import ControllerMetrics
+    def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, store: StateStore | None = None) -> None:
+        from infra.logs import configure_logging
+        from infra.loops import Loops
+        from infra.metrics import ControllerMetrics
 
         configure_logging()
-        self.controller = Controller(specs, config, time.monotonic)
-        self._config = config
+        self.controller = Controller(specs, config, time.monotonic, store=store)
         self._metrics = ControllerMetrics()
-        self._loop = asyncio.get_event_loop().create_task(self._run())
+        self._loops = Loops("autoscale controller")
+        self._loops.start("tick", self._tick, config.interval_s, first_delay_s=config.interval_s)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.interval_s)
-            try:
-                for d in self.controller.tick():
-                    self._metrics.decision(d.pool, d.action, d.code, d.new if d.applied else d.old)
-            except Exception:  # a bug in one tick must not stop the loop; it is logged loudly
-                log.exception("autoscale tick failed; limits hold")
+    async def _tick(self) -> None:
+        for d in self.controller.tick():
+            self._metrics.decision(d.pool, d.action, d.code, d.new if d.applied else d.old)
 
     async def report(self, stats: ReplicaStats) -> LimitsDirective:
         return self.controller.report(stats)
@@ -284,49 +308,20 @@ class ControllerService:
     async def views(self) -> dict[str, PoolView]:
         return self.controller.views()
 
-    async def status(self) -> dict:
-        c = self.controller
-        out = {}
-        for name in c.views():
-            allowed, spec = c.allowed(name), c.spec(name)
-            out[name] = {
-                "target_max_active_seqs": c.target(name),
-                "safe_range": [allowed.low, allowed.high],
-                "ladder": list(allowed.steps),
-                "slo": {"ttft_p99_ms": spec.ttft_slo_s * 1e3, "tpot_p99_ms": spec.tpot_slo_s * 1e3},
-                "profile_stale": c.stale_reason(name),
-                "lending": c.views()[name].lending,
-                "snapshot": c.snapshot(name).__dict__,
-                "replicas": [_replica_json(s) for s in c.replica_stats(name)],
-            }
-        return out
+    async def status(self) -> dict[str, PoolStatus]:
+        return {name: self.controller.status(name) for name in self.controller.views()}
 
-    async def decisions(self, limit: int = 100) -> list[Decision]:
+    async def decisions(self, limit: int = 100) -> list[DecisionJson]:
         return self.controller.decisions(limit)
 
-    async def pin(self, pool: str, seqs: int, calibrating: bool = False) -> LimitsDirective:
+    async def pin(self, pool: str, seqs: int, calibrating: bool = False) -> PinResult:
         return self.controller.pin(pool, seqs, calibrating)
 
-    async def unpin(self, pool: str) -> None:
-        self.controller.unpin(pool)
+    async def unpin(self, pool: str) -> PinResult:
+        return self.controller.unpin(pool)
 
-    async def set_slo(self, pool: str, ttft_p99_ms: float, tpot_p99_ms: float) -> None:
-        self.controller.set_slo(pool, ttft_p99_ms, tpot_p99_ms)
+    async def set_slo(self, pool: str, slo: SloJson) -> None:
+        self.controller.set_slo(pool, slo)
 
     async def set_lending(self, pool: str, enabled: bool) -> None:
         self.controller.set_lending(pool, enabled)
-
-
-def _replica_json(s: ReplicaStats) -> dict:
-    g, e = s.gate, s.engine
-    return {
-        "replica": s.replica, "reported_at": s.time, "active": g.active, "peak_active": g.peak_active,
-        "queued_by_class": g.queued_by_class, "queued_tokens": g.queued_tokens,
-        "inflight_tokens": g.inflight_tokens,
-        "limits": {"max_active_seqs": g.limits.max_active_seqs, "max_inflight_tokens": g.limits.max_inflight_tokens},
-        "admitted": g.admitted, "rejected": g.rejected, "evicted": g.evicted, "cancelled": g.cancelled,
-        "completed": g.completed,
-        "engine": {"running": e.running, "waiting": e.waiting, "kv_usage": e.kv_usage, "preemptions": e.preemptions,
-                   "generated_tokens": e.generated_tokens},
-        "profile_stale": s.profile_stale,
-    }

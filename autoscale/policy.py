@@ -39,24 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pools.control import PoolSnapshot
 from pools.types import SafeRange
-
-
-@dataclass(frozen=True)
-class PoolSnapshot:
-    """A pool's replicas, aggregated. `fresh` is False when reports are missing or old."""
-
-    fresh: bool
-    replicas: int = 0
-    queued: int = 0
-    queued_tokens: int = 0
-    active: int = 0
-    rejected_total: int = 0
-    preemptions_total: int = 0
-    kv_usage: float = 0.0
-    ttft_p99_s: float | None = None
-    tpot_p99_s: float | None = None
-    samples: int = 0
 
 
 @dataclass(frozen=True)

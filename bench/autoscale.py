@@ -15,7 +15,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
 
@@ -27,7 +26,7 @@ DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at 
 
 def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
+        [sys.executable, "-m", "infra.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
          "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
          "--ttft-slo-ms", str(slo.ttft_p99_ms), "--tpot-slo-ms", str(slo.tpot_p99_ms), "--timeout", str(TIMEOUT_S),
          "--drain", str(DRAIN_S)],
@@ -38,8 +37,7 @@ def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
 def _limits_while(stack, stop: threading.Event, trace: list) -> None:
     while not stop.is_set():
         try:
-            reps = stack.admin("GET", "/admin/pools").json()[POOL]["replicas"]
-            trace.append(reps[0]["limits"]["max_active_seqs"])
+            trace.append(stack.admin.pool(POOL).replicas[0].limits.max_active_seqs)
         except Exception:  # a missed sample is not a result
             pass
         stop.wait(1.0)
@@ -48,9 +46,9 @@ def _limits_while(stack, stop: threading.Event, trace: list) -> None:
 def _way(stack, name: str, seqs: int | None, start: int, slo) -> dict:
     stack.wait(lambda: stack.idle(POOL), 300)  # nothing left over from the way before
     # static ways stay pinned; the autoscaled way starts at the pool's configured start
-    stack.pin(POOL, seqs if seqs is not None else start, calibrating=False)
+    stack.admin.pin(POOL, seqs if seqs is not None else start)
     if seqs is None:
-        stack.admin("DELETE", f"/admin/pools/{POOL}/limits")
+        stack.admin.unpin(POOL)
     phases = {}
     for i, (phase, rate, seconds) in enumerate(PHASES):
         stop, trace = threading.Event(), []
@@ -67,7 +65,7 @@ def _way(stack, name: str, seqs: int | None, start: int, slo) -> dict:
         print(f"{name:12} {phase:10} goodput {r['goodput_req_per_s']:.2f} req/s, P99 TTFT "
               f"{phases[phase]['ttft_p99_ms']:.0f} ms, limit {phases[phase]['limit_min']}..{phases[phase]['limit_max']}",
               flush=True)
-    stack.admin("DELETE", f"/admin/pools/{POOL}/limits")
+    stack.admin.unpin(POOL)
     return phases
 
 
@@ -77,8 +75,7 @@ def run(stack) -> dict:
     ways = {f"autoscaled-from-{rp.start_seqs}": _way(stack, "autoscaled", None, rp.start_seqs, slo),
             f"static-low-{low}": _way(stack, "static-low", low, low, slo),
             f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
-    decisions = [d for d in stack.admin("GET", "/admin/decisions?limit=500").json()
-                 if d["pool"] == POOL and d["old"] != d["new"]]
+    decisions = [d.model_dump() for d in stack.admin.decisions(500) if d.pool == POOL and d.old != d.new]
     a = stack.resolved.config.autoscale
     return {
         "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES],

@@ -75,23 +75,16 @@ class Stack:
     base_url: str
     resolved: Any
 
-    def admin(self, method: str, path: str, **kw):
-        import httpx
+    @property
+    def admin(self):
+        from deployments.admin_client import AdminClient
 
-        return httpx.request(method, f"{self.base_url}{path}", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                             timeout=30, **kw)
-
-    def pin(self, pool: str, seqs: int, calibrating: bool = True) -> None:
-        r = self.admin("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs, "calibrating": calibrating})
-        r.raise_for_status()
-        self.wait(lambda: self.admin("GET", "/admin/pools").json()[pool]["replicas"][0]["limits"]["max_active_seqs"]
-                  == seqs, 30)
+        return AdminClient(self.base_url, ADMIN_KEY)
 
     def idle(self, *pools: str) -> bool:
         """Nothing running or queued in these pools (all of them when none are named)."""
-        views = self.admin("GET", "/admin/pools").json()
-        return all(r["active"] == 0 and sum(r["queued_by_class"].values()) == 0
-                   for name in (pools or views) for r in views[name]["replicas"])
+        status = self.admin.pools()
+        return all(r.active == 0 and r.queued == 0 for name in (pools or status) for r in status[name].replicas)
 
     @staticmethod
     def wait(cond, timeout: float) -> None:
@@ -136,12 +129,12 @@ class EngineTokens:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                views = self._stack.admin("GET", "/admin/pools").json()
-                total = sum(r["engine"]["generated_tokens"] for v in views.values() for r in v["replicas"])
+                status = self._stack.admin.pools()
+                total = sum(r.engine.generated_tokens for v in status.values() for r in v.replicas)
                 now = time.monotonic()
                 self.samples.append((now, total))
-                self.limits.append((now, {p: v["replicas"][0]["limits"]["max_active_seqs"]
-                                          for p, v in views.items() if v["replicas"]}))
+                self.limits.append((now, {p: v.replicas[0].limits.max_active_seqs
+                                          for p, v in status.items() if v.replicas}))
             except Exception:  # a missed sample only widens the interpolation
                 pass
             self._stop.wait(self._every)
@@ -197,7 +190,7 @@ def deploy(config: dict, name: str = "poolserve", route_prefix: str = "/") -> St
     resolved = resolve(parse(config), REPO)
     serve.run(build_app(resolved), name=name, route_prefix=route_prefix)
     stack = Stack("http://127.0.0.1:8000", resolved)
-    stack.wait(lambda: all(v["replicas"] for v in stack.admin("GET", "/admin/pools").json().values()), 60)
+    stack.wait(lambda: all(v.replicas for v in stack.admin.pools().values()), 60)
     warm_up(stack)
     return stack
 
@@ -206,7 +199,7 @@ def warm_up(stack: Stack, requests: int = 8) -> None:
     """A few requests through the router into every pool before anything is measured."""
     import httpx
 
-    from deployments.config import sha256_hex
+    from router.auth import sha256_hex
 
     by_hash = {sha256_hex(k): k for k in KEYS.values()}
     for name, rp in stack.resolved.pools.items():

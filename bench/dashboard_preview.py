@@ -39,7 +39,7 @@ def _prometheus(binary: str, workdir: Path) -> subprocess.Popen:
 def _load(seconds: float) -> None:
     """Chat at 3 req/s, a 400-request batch flood from the middle, a tenant over quota."""
     def loadgen(*args):
-        return subprocess.Popen([sys.executable, "-m", "bench.loadgen", *args], cwd=REPO,
+        return subprocess.Popen([sys.executable, "-m", "infra.loadgen", *args], cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     chat = loadgen("--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"], "--chat", "--rate", "3",
                    "--trace", "--warmup", "0", "--duration", str(seconds))
@@ -128,7 +128,7 @@ def main() -> None:
             stack = deploy(local_config())
             start = time.time()
             _load(a.seconds)
-            stack.pin("online-chat", 2, calibrating=False)  # an operator action shows on the limits panel
+            stack.admin.pin("online-chat", 2)  # an operator action shows on the limits panel
             time.sleep(20)
             end = time.time()
             render(start, end, Path(a.out))

@@ -73,7 +73,7 @@ class Endpoints:
 
 
 def _loadgen(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bench.loadgen", *args], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "infra.loadgen", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -114,7 +114,7 @@ def _offline_figures(w: dict) -> dict:
 
 
 def _lending(stack, enabled: bool) -> None:
-    stack.admin("PUT", "/admin/pools/online-chat/lending", json={"enabled": enabled}).raise_for_status()
+    stack.admin.set_lending("online-chat", enabled)
 
 
 LENDING = (False, True, False, True)  # poolserve's offline-alone windows: lending off and on, alternating
@@ -170,9 +170,8 @@ def run_setup(name: str, ep: Endpoints, alone_as: dict | None = None) -> dict:
         out["online_with_offline"]["online_limit"] = engines.limit_range("online-chat", t["window_start"], t["duration_s"])
         out["online_with_offline"]["offline_limit"] = engines.limit_range("offline-batch", t["window_start"],
                                                                           t["duration_s"])
-        out["autoscaler_moves"] = [{k: d[k] for k in ("pool", "old", "new", "code", "reason")}
-                                   for d in ep.admin.admin("GET", "/admin/decisions?limit=500").json()
-                                   if d["time"] >= since and d["old"] != d["new"]]
+        out["autoscaler_moves"] = [d.model_dump(include={"pool", "old", "new", "code", "reason"})
+                                   for d in ep.admin.admin.decisions(500) if d.time >= since and d.old != d.new]
     print(f"[{name}] online P99 TTFT alone {out['online_alone']['ttft_p99_ms']:.0f} ms, under load "
           f"{out['online_with_offline']['ttft_p99_ms']:.0f} ms; offline {out['offline_with_online']['output_tok_s']:.0f}"
           f" tok/s with online, {out['offline_alone']['output_tok_s']:.0f} alone", flush=True)

@@ -13,7 +13,6 @@ Serve wiring lives here and nowhere else.
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from ray.serve.deployment import Application
 
 from autoscale.controller import ControllerService, PoolSpec
 from deployments.config import Resolved, ResolvedPool, load, parse, resolve
+from infra.state import GcsStore
 from pools.config import PoolConfig
 from pools.gate import Ceilings, QueuePolicy
 from pools.kv_budget import GIB
@@ -33,6 +33,7 @@ from router.quota import Quota
 ROUTER = "router"
 CONTROLLER = "autoscale-controller"
 LEDGER = "quota-ledger"
+STATE_NAMESPACE = "poolserve"  # Ray's GCS key-value namespace of the control state that outlives replicas
 
 
 def pool_deployment_name(pool: str) -> str:
@@ -139,17 +140,22 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
     )
 
 
-def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | None) -> Application:
-    from ray.serve.llm import build_llm_deployment
+def internal_logging(resolved: Resolved) -> dict[str, Any]:
+    """Serve's logging for deployments only other deployments call (pools, controller, ledger):
+    their per-call access lines (several a second at rest: reports, views, syncs) are off
+    unless `ray.access_logs` asks for them."""
+    return {"enable_access_log": resolved.config.ray.access_logs}
 
+
+def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | None) -> Application:
+    from pools.llm import deployment_options
     from pools.server import PoolServer
 
-    return build_llm_deployment(
-        llm_config(resolved, rp),
-        deployment_cls=PoolServer,
-        bind_kwargs={"settings": pool_settings(resolved, rp), "controller": controller},
-        override_serve_options={"name": pool_deployment_name(rp.name)},
-    )
+    config = llm_config(resolved, rp)
+    options = {**deployment_options(config), "name": pool_deployment_name(rp.name),
+               "logging_config": internal_logging(resolved)}
+    return serve.deployment(PoolServer, **options).bind(
+        llm_config=config, settings=pool_settings(resolved, rp), controller=controller)
 
 
 def build_controller(resolved: Resolved) -> Application:
@@ -159,17 +165,19 @@ def build_controller(resolved: Resolved) -> Application:
         for name, rp in resolved.pools.items()
     }
     return serve.deployment(ControllerService, name=CONTROLLER, num_replicas=1, max_ongoing_requests=10_000,
-                            ray_actor_options={"num_cpus": 0}).bind(specs, resolved.config.autoscale)
+                            ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
+        specs, resolved.config.autoscale, GcsStore(STATE_NAMESPACE))
 
 
 def build_ledger(resolved: Resolved) -> Application:
     quotas = {t.name: Quota(**t.quota.model_dump()) for t in resolved.config.tenants}
     return serve.deployment(LedgerService, name=LEDGER, num_replicas=1, max_ongoing_requests=10_000,
-                            ray_actor_options={"num_cpus": 0}).bind(quotas)
+                            ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(quotas)
 
 
 def router_settings(resolved: Resolved):
-    from router.app import PoolRoute, RouterSettings
+    from router.app import RouterSettings
+    from router.policy import PoolRoute
 
     c = resolved.config
     routes = []
@@ -181,9 +189,9 @@ def router_settings(resolved: Resolved):
             default_priority=PriorityClass.parse(rp.config.default_priority),
             borrow=BorrowRule(b.into, b.max_share, b.while_below_utilisation, b.after_quiet_s) if b else None,
             queue_slots=rp.config.queue.max_queued,
+            max_num_seqs=rp.config.engine.max_num_seqs,
         ))
-    return RouterSettings(c.model.id, resolved.model_source, c.model.max_model_len, c.router, c.tenants,
-                          tuple(routes))
+    return RouterSettings(c.model.id, c.model.max_model_len, c.router, c.tenants, tuple(routes))
 
 
 def build_router(resolved: Resolved, pools: dict[str, Application], controller: Application,
@@ -193,9 +201,10 @@ def build_router(resolved: Resolved, pools: dict[str, Application], controller: 
     c = resolved.config.router
     app = make_app()
     ingress = serve.ingress(app)(route_class(app))
+    renderer = llm_config(resolved, next(iter(resolved.pools.values())))  # the pools share model and template
     return serve.deployment(ingress, name=ROUTER, num_replicas=c.replicas, max_ongoing_requests=c.max_ongoing_requests,
                             ray_actor_options={"num_cpus": 0.5}).bind(
-        router_settings(resolved), pools, controller, ledger)
+        router_settings(resolved), pools, controller, ledger, renderer)
 
 
 def build_app(resolved: Resolved) -> Application:

@@ -17,33 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from autoscale.calibrate import build_profile, markdown_table, plot, sweep
 from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, dump_profile,
                                load_profile)
-from bench.loadgen import Target, closed_loop_until_steady, synthetic_lengths, trace_lengths
-
-
-class AdminClient:
-    def __init__(self, base_url: str, admin_key: str) -> None:
-        self._base, self._headers = base_url, {"Authorization": f"Bearer {admin_key}"}
-
-    def call(self, method: str, path: str, **kw):
-        r = httpx.request(method, f"{self._base}{path}", headers=self._headers, timeout=30, **kw)
-        if r.status_code >= 400:
-            raise SystemExit(f"{method} {path}: {r.status_code} {r.text}")
-        return r.json()
-
-    def pin(self, pool: str, seqs: int) -> None:
-        self.call("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs, "calibrating": True})
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            reps = self.call("GET", "/admin/pools")[pool]["replicas"]
-            if reps and all(r["limits"]["max_active_seqs"] == seqs for r in reps):
-                return
-            time.sleep(0.3)
-        raise SystemExit(f"pool {pool} did not apply max_active_seqs={seqs} within 30s")
+from deployments.admin_client import AdminClient
+from infra.loadgen import Target, closed_loop_until_steady
+from infra.traffic import synthetic_lengths, trace_lengths
 
 
 class EngineSampler:
@@ -56,14 +35,14 @@ class EngineSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _replicas(self):
-        return self._admin.call("GET", "/admin/pools")[self._pool]["replicas"]
+        return self._admin.pool(self._pool).replicas
 
     def _preemptions(self) -> int:
-        return sum(r["engine"]["preemptions"] for r in self._replicas())
+        return sum(r.engine.preemptions for r in self._replicas())
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
-            self.kv_max = max([self.kv_max] + [r["engine"]["kv_usage"] for r in self._replicas()])
+            self.kv_max = max([self.kv_max] + [r.engine.kv_usage for r in self._replicas()])
 
     def __enter__(self):
         self._thread.start()
@@ -147,21 +126,21 @@ def _cmd_calibrate(args) -> int:
         lengths = synthetic_lengths(p, o)
     slo = SLOSpec(ttft_p99_ms=rp.config.slo.ttft_p99_ms, tpot_p99_ms=rp.config.slo.tpot_p99_ms)
     rule = _rule(args)
-    described = admin.call("GET", f"/admin/pools/{args.pool}/describe")
+    described = admin.describe(args.pool)
     prefix = rp.config.route_prefix
     target = Target(f"{url}{prefix}/v1", key, model=cfg.model.id)
-    print(f"calibrating pool {args.pool} at {url}{prefix} on {described['fingerprint']['hardware']}, "
+    print(f"calibrating pool {args.pool} at {url}{prefix} on {described.fingerprint['hardware']}, "
           f"ladder {ladder}, lengths {lengths.source}", flush=True)
     try:
-        rows = sweep(ladder, lambda seqs: admin.pin(args.pool, seqs),
+        rows = sweep(ladder, lambda seqs: admin.pin(args.pool, seqs, calibrating=True),
                      lambda seqs: measure_step(args, admin, target, lengths, slo, seqs),
                      lambda line: print(line, flush=True))
     finally:
-        admin.call("DELETE", f"/admin/pools/{args.pool}/limits")
+        admin.unpin(args.pool)
     stats = lengths.stats()
     traffic = TrafficSpec(source=lengths.source, scale=lengths.scale, seed=args.seed, **stats)
-    profile = build_profile(args.pool, rows, Fingerprint(**described["fingerprint"]), slo, traffic, rule,
-                            described["cudagraph_capture_sizes"], time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    profile = build_profile(args.pool, rows, Fingerprint(**described.fingerprint), slo, traffic, rule,
+                            described.cudagraph_capture_sizes, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write(profile, Path(args.out))
     return 0
 

@@ -48,7 +48,7 @@ def _cmd_make_tiny_model(args) -> int:
 
 
 def _cmd_hash_key(args) -> int:
-    from deployments.config import sha256_hex
+    from router.auth import sha256_hex
 
     print(sha256_hex(args.key))
     return 0

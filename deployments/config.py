@@ -9,7 +9,6 @@ before raising, so `poolserve validate` shows a whole list at once. Relative pat
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,9 @@ class RayConfig(Frozen):
     num_cpus: int = Field(8, ge=1, description="Logical CPUs; more than the cores so every actor schedules.")
     metrics_export_port: int = Field(8080, ge=1, le=65535, description="Ray's Prometheus endpoint.")
     dashboard: bool = Field(False, description="Start the dashboard (needed for job submission).")
+    access_logs: bool = Field(
+        False, description="Serve's access line for every call between deployments (reports, views, quota "
+                           "syncs: several a second at rest). Off: the console shows what people need.")
     worker_niceness: int = Field(
         0, ge=0, le=19, description="Linux nice of Ray's worker processes (Serve replicas, the HTTP proxy, "
                                     "engines). Ray's own default, 15, ranks the whole serving path below any "
@@ -275,13 +277,3 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
     if problems:
         raise ConfigError(source, problems)
     return Resolved(config, base_dir, model_source, pools, tuple(warnings))
-
-
-def sha256_hex(key: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def route_name(prefix: str) -> str:
-    return re.sub(r"^/", "", prefix)

@@ -1,21 +1,49 @@
-"""PoolEngine: ray.serve.llm's VLLMEngine plus a window onto vLLM's scheduler stats.
+"""The engine seam: what a pool replica needs from its LLM engine, and the stats it keeps.
 
-vLLM's AsyncLLM hands every scheduler step's stats to its stat loggers. We add one
-logger that keeps the latest running / waiting / KV-usage figures and counts
-preemptions and generated tokens, so the pool replica can report them without scraping Prometheus.
-vLLM is imported lazily: only a replica that starts an engine needs it.
+`Engine` is the small protocol `PoolServer` uses. The real one (`pools.llm.RayLLMEngine`)
+runs vLLM through ray.serve.llm; unit tests pass a deterministic fake. An engine streams
+one call's output as *engine items*: for a streamed request, SSE text chunks; for a whole
+one, the response object. It keeps a `StatsBox` that vLLM's stat logger writes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
-from pools.types import EngineStats, LatencySample
+from pools.types import EngineStats, LatencySample, PoolCall
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the running engine says about itself: the basis of a profile fingerprint."""
+
+    vllm_version: str
+    hardware: str
+    kv_capacity_tokens: int
+    block_size: int
+    cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Engine(Protocol):
+    stats_box: "StatsBox"
+
+    async def start(self) -> None: ...
+
+    def facts(self) -> EngineFacts | None: ...
+
+    def generate(self, call: PoolCall) -> AsyncIterator[Any]: ...
+
+    async def warm_up(self, requests: int) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
 
 
 class StatsBox:
@@ -59,19 +87,12 @@ class StatsBox:
                              tuple(v for t, v in self._tpot if t >= horizon))
 
 
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the running engine says about itself: the basis of a profile fingerprint."""
-
-    vllm_version: str
-    hardware: str
-    kv_capacity_tokens: int
-    block_size: int
-    cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
-
-
 def hardware_name() -> str:
-    """The accelerator a profile was measured on: GPU name, or the CPU model and cores."""
+    """The accelerator a profile was measured on: GPU name, or the CPU model and cores.
+    `POOLSERVE_HARDWARE` overrides it (a fingerprint no profile has forces a recalibration)."""
+    override = os.environ.get("POOLSERVE_HARDWARE")
+    if override:
+        return override
     try:
         import torch
 
@@ -91,68 +112,44 @@ def hardware_name() -> str:
     return f"cpu:{platform.machine()}:{model}:{os.cpu_count()}cores"
 
 
-def _recorder_cls(box: StatsBox):
-    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+async def batched(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list[Any]]:
+    """Stream items in lists: the first at once (it decides the time to first token), then
+    whatever arrived in each `interval_s` (fewer, larger messages between replicas)."""
+    if interval_s <= 0:
+        async for item in items:
+            yield [item]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
 
-    class _Recorder(AggregateStatLoggerBase):
-        def __init__(self, vllm_config, engine_indexes):  # noqa: D401 - vLLM's signature
-            pass
+    async def pump() -> None:
+        try:
+            async for item in items:
+                queue.put_nowait(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait(e)
+        queue.put_nowait(end)
 
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            if scheduler_stats is not None:
-                box.running = scheduler_stats.num_running_reqs
-                box.waiting = scheduler_stats.num_waiting_reqs
-                box.kv_usage = scheduler_stats.kv_cache_usage
-            if iteration_stats is not None:
-                box.preemptions += iteration_stats.num_preempted_reqs
-                box.generated_tokens += iteration_stats.num_generation_tokens
-                box.add_ttft(iteration_stats.time_to_first_tokens_iter)
-                box.add_tpot(r.mean_time_per_output_token for r in iteration_stats.finished_requests)
-
-        def log_engine_initialized(self):
-            pass
-
-    return _Recorder
-
-
-def vllm_client_errors() -> tuple[type[BaseException], ...]:
-    """vLLM's own exception for bad input (its validators raise it), or nothing when vLLM is
-    not installed (the pure tests)."""
+    reader = asyncio.get_running_loop().create_task(pump())
     try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return ()
-    return (VLLMClientError,)
-
-
-def pool_engine_cls():
-    """VLLMEngine with a StatsBox; a factory so that importing this module needs no vLLM."""
-    from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
-
-    class PoolEngine(VLLMEngine):
-        def __init__(self, llm_config) -> None:
-            super().__init__(llm_config)
-            self.stats_box = StatsBox()
-            self.vllm_config = None
-
-        def _start_async_llm_engine(self, vllm_engine_args, vllm_engine_config, placement_group):
-            client = super()._start_async_llm_engine(vllm_engine_args, vllm_engine_config, placement_group)
-            self.vllm_config = vllm_engine_config
-            if client.logger_manager is not None:
-                client.logger_manager.stat_loggers.append(_recorder_cls(self.stats_box)(None, [0]))
-            return client
-
-        def facts(self) -> EngineFacts:
-            import vllm
-
-            cache = self.vllm_config.cache_config
-            sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
-            return EngineFacts(
-                vllm_version=vllm.__version__,
-                hardware=hardware_name(),
-                kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
-                block_size=cache.block_size,
-                cudagraph_capture_sizes=tuple(sorted(sizes)),
-            )
-
-    return PoolEngine
+        first = True
+        while True:
+            batch = [await queue.get()]
+            if not first:
+                await asyncio.sleep(interval_s)
+            first = False
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            done = batch[-1] is end
+            batch = [x for x in batch if x is not end]
+            failed = next((i for i, x in enumerate(batch) if isinstance(x, BaseException)), None)
+            if failed is not None:
+                if failed:
+                    yield batch[:failed]
+                raise batch[failed]
+            if batch:
+                yield batch
+            if done:
+                return
+    finally:
+        reader.cancel()

@@ -1,11 +1,11 @@
-"""PoolServer: a ray.serve.llm LLMServer whose requests pass through an admission gate.
+"""PoolServer: one pool replica. Its requests pass an admission gate before its engine.
 
-One instance per pool replica. The router calls `generate(PoolCall)` through a Serve
-handle; the reply is a stream:
+The router calls `generate(PoolCall)` through a Serve handle; the reply is a stream:
 
     [Arrived]                  # first, only when the call has to queue in the gate
     Admitted | Rejected        # a slot was granted (at once or after queueing), or refused
-    <engine items>...          # OpenAI SSE strings (batched in lists) or one response
+    Refused | <engine items>   # the engine refused the input, or its output: lists of
+                               # OpenAI SSE strings, or one whole response
     Finished(usage, ttft, e2e) # last: the real usage for quota reconciliation
 
 The slot is held for the whole stream and released on completion, error or
@@ -13,9 +13,10 @@ cancellation (a client disconnect cancels this generator, which closes the engin
 stream, and vLLM aborts the request). The priority class becomes vLLM's request
 `priority` (lower runs first), so the engine's own queue agrees with the gate's.
 
-A background task reports the replica's stats to the autoscale controller every
+A background loop reports the replica's stats to the autoscale controller every
 `report_interval_s` and applies the limits in the reply; if the controller is away the
-replica keeps its last limits.
+replica keeps its last limits. The engine is behind `pools.engine.Engine`: the real one
+runs vLLM through ray.serve.llm (`pools.llm`), the unit tests a deterministic fake.
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, AsyncIterator
 
-from ray import serve
-from ray.serve.llm import LLMServer
-
+from infra.logs import configure_logging
+from infra.loops import Loops
+from infra.metrics import PoolMetrics
 from pools import nice, reaper
 from pools.admission import AsyncGate, GateRejected
 from pools.config import Fingerprint
-from pools.engine import StatsBox, hardware_name, pool_engine_cls, vllm_client_errors
+from pools.control import Describe, LimitsDirective, NiceJson, ReplicaStats
+from pools.engine import Engine, hardware_name
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
-from pools.logs import configure_logging
-from pools.metrics import PoolMetrics
-from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, LimitsDirective, PoolCall,
-                         Refused, Rejected, ReplicaStats, SafeRange, Usage)
+from pools.llm import vllm_client_errors
+from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, PoolCall, Refused,
+                         Rejected, SafeRange, Usage)
 
 log = logging.getLogger("poolserve.pool")
 
@@ -64,6 +65,8 @@ class PoolSettings:
 
 def _replica_name() -> str:
     try:
+        from ray import serve
+
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside Serve (unit tests)
         return "local"
@@ -97,11 +100,7 @@ def _usage_chunk(item: str) -> Usage | None:
     return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
 
 
-def _client_errors() -> tuple[type[BaseException], ...]:
-    return KeyError, TypeError, ValueError, *vllm_client_errors()
-
-
-async def _refusing(stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+async def _refusing(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
     """The engine's stream, where an input error raised before any output (vLLM renders the
     chat template only once the request is admitted) becomes a `Refused` item instead of an
     exception, so the caller gets a 400 that names the problem rather than a 5xx."""
@@ -110,15 +109,16 @@ async def _refusing(stream: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, No
         async for item in stream:
             started = True
             yield item
-    except _client_errors() as e:
+    except (KeyError, TypeError, ValueError, *vllm_client_errors()) as e:
         if started:
             raise
         log.info("engine refused a request: %r", e)
         yield Refused("invalid_request", f"the engine could not process the request: {type(e).__name__}: {e}")
 
 
-class PoolServer(LLMServer):
-    async def __init__(self, llm_config, *, settings: PoolSettings, controller: Any = None, engine_cls=None) -> None:
+class PoolServer:
+    async def __init__(self, llm_config: Any = None, *, settings: PoolSettings, controller: Any = None,
+                       engine: Engine | None = None) -> None:
         configure_logging()
         self._settings = settings
         self._controller = controller  # a handle to the autoscale controller; None runs static
@@ -127,12 +127,19 @@ class PoolServer(LLMServer):
         gate = AdmissionGate(limits, settings.safe_range, settings.ceilings, settings.queue, time.monotonic)
         self._gate = AsyncGate(gate)
         self._metrics = PoolMetrics(settings.name, self._replica)
-        self._stale_reason = ""
-        self._reporter: asyncio.Task | None = None
-        await super().__init__(llm_config, engine_cls=engine_cls or pool_engine_cls())
+        self._applied_epoch = 0
+        self._loops = Loops(f"pool {settings.name}")
+        if engine is None:
+            from pools.llm import RayLLMEngine
+
+            engine = RayLLMEngine(llm_config, settings.stream_batching_ms)
+        self._engine = engine
+        await engine.start()
         self._engine_pids = nice.lower_engines(settings.nice)  # describe() shows their nice values
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
-        await self._warm_up()
+        started = time.monotonic()
+        await engine.warm_up(settings.warmup_requests)
+        log.info("pool %s: warmed up in %.1fs", settings.name, time.monotonic() - started)
         self._stale_reason = self._check_profile()
         if self._stale_reason:
             low = settings.safe_range.clamp_to_low()
@@ -140,13 +147,13 @@ class PoolServer(LLMServer):
             log.warning("pool %s: calibration profile is stale (%s); running at the bottom of its range, %d",
                         settings.name, self._stale_reason, low.low)
         if controller is not None:
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+            self._loops.start("report to the controller", self._report, settings.report_interval_s)
 
     # -- requests ------------------------------------------------------------------
 
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
         arrived = time.monotonic()
-        pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost)
+        pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost, call.n)
         try:
             if not pending.decided:  # it waits in the gate's queue: tell the router it got here
                 yield Arrived(self._replica)
@@ -167,7 +174,6 @@ class PoolServer(LLMServer):
         done = False
         try:
             yield Admitted(self._settings.name, self._replica, admitted - arrived)
-            call.body.priority = int(call.priority)
             timer = _StreamTimer(arrived)
             async for item in self._run(call, timer):
                 if isinstance(item, Usage):
@@ -185,72 +191,35 @@ class PoolServer(LLMServer):
             self._gate.release(ticket, usage.total_tokens if usage else None, cancelled=not done)
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
-        """The engine's output for one call; streams are timed, usage split off, and batched."""
-        await self._maybe_add_request_id_to_request(call.body)
-        engine_stream = _refusing(getattr(self.engine, call.kind)(call.body, None))
+        """The engine's output for one call: the usage split off (a `Usage` item) and, for a
+        stream, the chunks timed and the usage chunk dropped unless the client asked for it."""
+        stream = _refusing(self._engine.generate(call))
         if not getattr(call.body, "stream", False):
-            async for response in engine_stream:
+            async for response in stream:
                 u = getattr(response, "usage", None)
                 if u is not None:
                     yield Usage(u.prompt_tokens, u.completion_tokens or 0)
                 yield response
             return
-
-        first = await anext(engine_stream, None)
-        if isinstance(first, Refused):  # answer it whole: no stream has started
-            yield first
-            return
-        usage_box: list[Usage] = []
-
-        async def chained() -> AsyncGenerator[Any, None]:
-            if first is not None:
-                yield first
-            async for item in engine_stream:
-                yield item
-
-        async def timed() -> AsyncGenerator[str, None]:
-            async for item in chained():
+        usage: Usage | None = None
+        async for batch in stream:
+            if isinstance(batch, Refused):
+                yield batch
+                return
+            kept = []
+            for item in batch:
                 if isinstance(item, str):
-                    u = _usage_chunk(item)
-                    if u is not None:
-                        usage_box.append(u)
+                    if (u := _usage_chunk(item)) is not None:
+                        usage = u
                         if not call.include_usage:
                             continue
                     elif '"delta"' in item or '"text"' in item:
                         timer.token()
-                yield item
-
-        async for batch in self._batch_output_stream(timed()):
-            yield batch
-        if usage_box:
-            yield usage_box[-1]
-
-    async def _warm_up(self) -> None:
-        """Run a few short requests of growing batch sizes before taking traffic: the first
-        requests after an engine starts compile kernels and can take many seconds."""
-        n = self._settings.warmup_requests
-        if n <= 0:
-            return
-        from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
-
-        started = time.monotonic()
-
-        async def one(i: int) -> None:
-            req = CompletionRequest(prompt="warm up " * (4 + 8 * i), max_tokens=8, ignore_eos=True)
-            async for _ in self.engine.completions(req, None):
-                pass
-
-        size = 1
-        while size <= n:
-            await asyncio.gather(*(one(i) for i in range(size)))
-            size *= 2
-        box: StatsBox | None = getattr(self.engine, "stats_box", None)
-        if box is not None:
-            box.clear_latency()
-        log.info("pool %s: warmed up in %.1fs", self._settings.name, time.monotonic() - started)
-
-    def _get_batch_interval_ms(self, stream: bool = True) -> int:
-        return self._settings.stream_batching_ms if stream else None
+                kept.append(item)
+            if kept:
+                yield kept
+        if usage is not None:
+            yield usage
 
     # -- limits and stats ---------------------------------------------------------
 
@@ -262,77 +231,57 @@ class PoolServer(LLMServer):
         return self._gate.gate.limits
 
     async def stats(self) -> ReplicaStats:
-        box: StatsBox | None = getattr(self.engine, "stats_box", None)
-        engine = box.snapshot() if box else None
-        latency = box.latency(self._settings.latency_window_s) if box else None
+        box = self._engine.stats_box
         return ReplicaStats(
             pool=self._settings.name,
             replica=self._replica,
             time=time.time(),
             gate=self._gate.gate.stats(),
-            engine=engine or EngineStats(),
-            latency=latency or LatencySample(),
+            engine=box.snapshot() if box else EngineStats(),
+            latency=box.latency(self._settings.latency_window_s) if box else LatencySample(),
             safe_range=self._gate.gate.allowed,
             profile_stale=bool(self._stale_reason),
             stale_reason=self._stale_reason,
-            fingerprint=self.fingerprint().model_dump(mode="json") if self._facts() else {},
+            applied_epoch=self._applied_epoch,
+            fingerprint=self.fingerprint().model_dump(mode="json") if self._engine.facts() else {},
         )
 
-    def _facts(self):
-        facts = getattr(self.engine, "facts", None)
-        return facts() if facts and getattr(self.engine, "vllm_config", None) is not None else None
-
     def fingerprint(self) -> Fingerprint:
-        facts = self._facts()
+        facts = self._engine.facts()
         return Fingerprint(**self._settings.fingerprint_base,
                            hardware=facts.hardware if facts else hardware_name(),
                            vllm_version=facts.vllm_version if facts else "unknown")
 
-    async def describe(self) -> dict[str, Any]:
+    async def describe(self) -> Describe:
         """The engine's facts (KV capacity, CUDA-graph sizes) and this replica's fingerprint."""
-        facts = self._facts()
-        return {
-            "pool": self._settings.name,
-            "replica": self._replica,
-            "fingerprint": self.fingerprint().model_dump(mode="json"),
-            "kv_capacity_tokens": facts.kv_capacity_tokens if facts else None,
-            "block_size": facts.block_size if facts else None,
-            "cudagraph_capture_sizes": list(facts.cudagraph_capture_sizes) if facts else [],
-            "profile_stale": self._stale_reason,
-            "nice": {"replica": nice.niceness(os.getpid()),
-                     "engines": [nice.niceness(p) for p in self._engine_pids]},
-        }
+        facts = self._engine.facts()
+        return Describe(pool=self._settings.name, replica=self._replica,
+                        fingerprint=self.fingerprint().model_dump(mode="json"),
+                        kv_capacity_tokens=facts.kv_capacity_tokens if facts else None,
+                        block_size=facts.block_size if facts else None,
+                        cudagraph_capture_sizes=facts.cudagraph_capture_sizes if facts else (),
+                        profile_stale=self._stale_reason,
+                        nice=NiceJson(replica=nice.niceness(os.getpid()),
+                                      engines=tuple(nice.niceness(p) for p in self._engine_pids)))
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
 
     def _check_profile(self) -> str:
         expected = self._settings.profile_fingerprint
         if expected is None:
             return ""
-        diffs = expected.differences(self.fingerprint())
-        return "; ".join(diffs)
+        return "; ".join(expected.differences(self.fingerprint()))
 
     def _apply(self, directive: LimitsDirective) -> None:
         if directive.limits != self._gate.gate.limits or directive.allowed != self._gate.gate.allowed:
             log.info("pool %s replica %s: limits -> %s (%s)", self._settings.name, self._replica,
                      directive.limits, directive.reason or "controller")
         self._gate.set_limits(directive.limits, directive.allowed)
+        self._applied_epoch = directive.epoch
 
-    async def _report_loop(self) -> None:
-        s, controller = self._settings, self._controller
-        unreachable = False
-        while True:
-            stats = await self.stats()
-            self._metrics.state(stats.gate, stats.engine, stats.safe_range, stats.profile_stale)
-            try:
-                directive = await asyncio.wait_for(controller.report.remote(stats), timeout=max(2.0, s.report_interval_s * 2))
-                self._apply(directive)
-                if unreachable:
-                    log.info("pool %s: controller reachable again", s.name)
-                unreachable = False
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # controller down or restarting: keep the last limits
-                if not unreachable:
-                    log.warning("pool %s: controller unreachable (%s); keeping limits %s",
-                                s.name, type(e).__name__, self._gate.gate.limits)
-                unreachable = True
-            await asyncio.sleep(s.report_interval_s)
+    async def _report(self) -> None:
+        stats = await self.stats()
+        self._metrics.state(stats.gate, stats.engine, stats.safe_range, stats.profile_stale)
+        timeout = max(2.0, self._settings.report_interval_s * 2)
+        self._apply(await asyncio.wait_for(self._controller.report.remote(stats), timeout))

@@ -17,9 +17,14 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+# Like the templates of real chat models, it renders tools, documents and assistant tool calls
+# into the prompt: what a client sends besides its messages costs prompt tokens too.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% if documents %}<|system|>\n{% for doc in documents %}{{ doc | tojson }}\n{% endfor %}</s>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}{{ call | tojson }}{% endfor %}</s>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -6,7 +6,7 @@ The router and the autoscaler import these; nothing here imports Ray or vLLM.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 
@@ -93,7 +93,8 @@ class PoolCall:
 
     `body` is the validated OpenAI request (ray.serve.llm's ChatCompletionRequest or
     CompletionRequest). `prompt_tokens` was counted by the router with the model's
-    tokenizer; `max_tokens` is the request's own or the rest of the context.
+    tokenizer; `max_tokens` is the request's own or the rest of the context; the engine
+    runs `n` sequences (the request's choices), each up to `max_tokens`.
     """
 
     kind: CallKind
@@ -105,10 +106,13 @@ class PoolCall:
     max_tokens: int
     borrowed: bool = False
     include_usage: bool = False
+    n: int = 1
 
     @property
     def cost(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        """The tokens it may hold in the KV cache: the prompt once (its n sequences share its
+        blocks), plus each sequence's output."""
+        return self.prompt_tokens + self.n * self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class GateStats:
-    active: int
+    active: int  # sequences holding a slot (a request of n choices counts n)
     inflight_tokens: int
     queued_by_class: dict[str, int]
     queued_tokens: int
@@ -192,7 +196,8 @@ class GateStats:
     cancelled: int
     evicted: int
     completed: int
-    peak_active: int = 0  # most requests active at once since the limits last changed
+    peak_active: int = 0  # most sequences active at once since the limits last changed
+    active_requests: int = 0
 
     @property
     def queued(self) -> int:
@@ -205,28 +210,3 @@ class LatencySample:
 
     ttft_s: tuple[float, ...] = ()
     tpot_s: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class ReplicaStats:
-    """A pool replica's report to the controller, every tick."""
-
-    pool: str
-    replica: str
-    time: float
-    gate: GateStats
-    engine: EngineStats
-    latency: LatencySample
-    safe_range: SafeRange
-    profile_stale: bool = False
-    stale_reason: str = ""
-    fingerprint: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LimitsDirective:
-    """The controller's reply to a report: the limits a replica should apply now."""
-
-    limits: BatchLimits
-    allowed: SafeRange
-    reason: str = ""

@@ -62,12 +62,18 @@ class TenantConfig(Frozen):
     def home_pool(self) -> str:
         return self.default_pool or self.pools[0]
 
-    def default_class(self, pool_default: PriorityClass) -> PriorityClass:
+    def ceiling(self, pool_default: PriorityClass) -> PriorityClass:
+        """The most important class this tenant may have on a pool: `max_priority` when set,
+        else its default class there."""
+        if self.max_priority:
+            return PriorityClass.parse(self.max_priority)
         return PriorityClass.parse(self.priority) if self.priority else pool_default
 
-    def ceiling(self, default: PriorityClass) -> PriorityClass:
-        """The most important class this tenant may ask for (never less than its default)."""
-        return min(PriorityClass.parse(self.max_priority), default) if self.max_priority else default
+    def default_class(self, pool_default: PriorityClass) -> PriorityClass:
+        """Its class when a request asks for none: its own default or the pool's, never more
+        important than its ceiling."""
+        own = PriorityClass.parse(self.priority) if self.priority else pool_default
+        return max(own, self.ceiling(pool_default))  # a larger value is less important
 
 
 class RouterConfig(Frozen):
@@ -77,6 +83,11 @@ class RouterConfig(Frozen):
     max_ongoing_requests: int = Field(
         4096, ge=1, description="Per router replica; large so that Serve never queues in front of it.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger bodies get 413.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body must arrive within this long (else 408), so a slow upload cannot "
+                                "hold the router; it is read after the request and its concurrency slot are "
+                                "charged to the tenant.")
+    max_json_depth: int = Field(64, ge=4, le=1000, description="Deeper nesting of lists and objects gets 400.")
     reach_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")
@@ -86,3 +97,6 @@ class RouterConfig(Frozen):
     lease_fraction: float = Field(0.1, gt=0, le=1, description="Share of a quota one lease may take.")
     lease_ttl_s: float = Field(5.0, gt=0, description="How often unused lease balances go back to the ledger.")
     pool_view_interval_s: float = Field(1.0, gt=0, description="How often the router refreshes pool load.")
+    view_max_age_s: float = Field(
+        5.0, gt=0, description="A pool view older than this (the controller stopped answering) counts as unknown: "
+                               "no borrowing and no shedding at the router until a fresh one arrives.")

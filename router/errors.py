@@ -10,9 +10,9 @@ model / pool / path, 405 wrong method, 413 body too large, 429 quota or queue fu
 
 from __future__ import annotations
 
+import json
 import math
-
-from starlette.responses import JSONResponse
+from typing import Any
 
 TYPES = {
     400: "invalid_request_error",
@@ -40,7 +40,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self) -> Any:
+        from starlette.responses import JSONResponse
+
         headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["retry-after"] = str(retry_after_header(self.retry_after_s))
@@ -54,7 +56,5 @@ def retry_after_header(seconds: float) -> int:
 
 def sse_error(status: int, code: str, message: str) -> str:
     """An error event for a stream that already started (the status line is sent)."""
-    import json
-
     return "data: " + json.dumps({"error": {"message": message, "type": TYPES.get(status, "server_error"),
                                             "param": None, "code": code}}) + "\n\n"

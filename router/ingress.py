@@ -14,16 +14,18 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
+from starlette.responses import Response
 
-from router.app import RESERVED_FIELDS, Router
+from router.app import Router
 from router.errors import ApiError
+from router.pricing import RESERVED_FIELDS
 
 log = logging.getLogger("poolserve.router")
 
 ROUTES: tuple[tuple[str, str, str], ...] = (
     ("post", "/v1/chat/completions", "chat_default"),
     ("post", "/v1/completions", "completions_default"),
-    ("get", "/v1/models", "models"),
+    ("get", "/v1/models", "models_default"),
     ("get", "/v1/usage", "usage"),
     ("get", "/healthz", "healthz"),
     ("post", "/{prefix}/v1/chat/completions", "chat"),
@@ -78,14 +80,59 @@ def make_app(title: str = "poolserve") -> FastAPI:
     return app
 
 
-def route_class(app: FastAPI, cls: type = Router) -> type:
+class Endpoints(Router):
+    """The Router's methods with the signatures FastAPI binds to paths."""
+
+    async def chat(self, request: Request, prefix: str) -> Response:
+        return await self.route(request, "chat", prefix)
+
+    async def completions(self, request: Request, prefix: str) -> Response:
+        return await self.route(request, "completions", prefix)
+
+    async def chat_default(self, request: Request) -> Response:
+        return await self.route(request, "chat", None)
+
+    async def completions_default(self, request: Request) -> Response:
+        return await self.route(request, "completions", None)
+
+    async def models_default(self, request: Request) -> Response:
+        return await self.models(request)
+
+    async def pool_models(self, request: Request, prefix: str) -> Response:
+        return await self.models(request, prefix)
+
+    async def admin_pools(self, request: Request) -> Response:
+        return await self.admin.pools(request)
+
+    async def admin_decisions(self, request: Request, limit: int = 100) -> Response:
+        return await self.admin.decisions(request, limit)
+
+    async def admin_describe(self, request: Request, pool: str) -> Response:
+        return await self.admin.describe(request, pool)
+
+    async def admin_pin(self, request: Request, pool: str) -> Response:
+        return await self.admin.pin(request, pool)
+
+    async def admin_unpin(self, request: Request, pool: str) -> Response:
+        return await self.admin.unpin(request, pool)
+
+    async def admin_slo(self, request: Request, pool: str) -> Response:
+        return await self.admin.slo(request, pool)
+
+    async def admin_lending(self, request: Request, pool: str) -> Response:
+        return await self.admin.lending(request, pool)
+
+
+def route_class(app: FastAPI, cls: type = Endpoints) -> type:
     """A subclass of `cls` whose methods are registered on `app` (Serve's class-based views),
     warmed in its constructor (Serve awaits an async one) so a first request costs no more
     than the next."""
 
-    async def __init__(self, *args, **kwargs) -> None:
-        cls.__init__(self, *args, **kwargs)
-        self.warm()
+    async def __init__(self, settings, pools, controller, ledger, llm_config) -> None:
+        from pools.llm import PromptRenderer
+
+        cls.__init__(self, settings, pools, controller, ledger, PromptRenderer(llm_config))
+        await self.warm()
 
     methods = {"__init__": __init__}
     for verb, path, name in ROUTES:
@@ -101,10 +148,11 @@ def _openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
     from pydantic.json_schema import models_json_schema
-    from ray.llm._internal.serve.core.configs import openai_api_models as m
+    from pools.llm import request_models
 
+    chat, completions = request_models()
     schema = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
-    _, defs = models_json_schema([(m.ChatCompletionRequest, "validation"), (m.CompletionRequest, "validation")],
+    _, defs = models_json_schema([(chat, "validation"), (completions, "validation")],
                                  ref_template="#/components/schemas/{model}")
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {}).update(defs.get("$defs", {}))

@@ -19,12 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pools.types import PriorityClass
-
-
-class PolicyError(Exception):
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
+from router.errors import ApiError
 
 
 def resolve_priority(default: PriorityClass, ceiling: PriorityClass, requested: str | None) -> PriorityClass:
@@ -34,9 +29,9 @@ def resolve_priority(default: PriorityClass, ceiling: PriorityClass, requested: 
     try:
         asked = PriorityClass.parse(requested)
     except ValueError as e:
-        raise PolicyError(400, "invalid_priority", f"header x-poolserve-priority: {e}", "x-poolserve-priority")
+        raise ApiError(400, "invalid_priority", f"header x-poolserve-priority: {e}", "x-poolserve-priority")
     if asked is PriorityClass.BORROWED:
-        raise PolicyError(400, "invalid_priority", "header x-poolserve-priority: 'borrowed' is internal; "
+        raise ApiError(400, "invalid_priority", "header x-poolserve-priority: 'borrowed' is internal; "
                           "use interactive, standard or batch", "x-poolserve-priority")
     return max(asked, ceiling)  # a larger value is less important
 
@@ -44,9 +39,9 @@ def resolve_priority(default: PriorityClass, ceiling: PriorityClass, requested: 
 def choose_pool(path_pool: str | None, allowed: tuple[str, ...], home: str, known: tuple[str, ...]) -> str:
     pool = path_pool or home
     if pool not in known:
-        raise PolicyError(404, "pool_not_found", f"unknown pool {pool!r}; pools are {', '.join(known)}")
+        raise ApiError(404, "pool_not_found", f"unknown pool {pool!r}; pools are {', '.join(known)}")
     if pool not in allowed:
-        raise PolicyError(403, "pool_not_allowed",
+        raise ApiError(403, "pool_not_allowed",
                           f"this API key may not use pool {pool!r}; it may use {', '.join(allowed)}")
     return pool
 
@@ -96,16 +91,52 @@ def borrow_decision(home: PoolLoad, target: PoolLoad, rule: BorrowRule) -> tuple
     return True, "home saturated, target idle"
 
 
-def queue_surely_full(waiting: dict[PriorityClass, int], priority: PriorityClass, queue_slots: int) -> bool:
+def queue_surely_full(waiting: dict[PriorityClass, int], priority: PriorityClass, queue_slots: int,
+                      seats: int) -> bool:
     """Whether a pool's queue is certain to refuse a request of class `priority`, judged from
-    this router's own requests that wait there (`waiting`: dispatched, not yet admitted).
+    this router's own requests that wait there (`waiting`: dispatched, no verdict yet).
 
     A gate evicts a strictly less important queued request for a more important one, so only
-    waiting requests at least as important as this one count. The count is a lower bound on
-    the real queue (other router replicas add to it), so this never sheds what the gate
-    would admit; it only spares the pool replica the round trip of a refusal under overload.
+    waiting requests at least as important as this one count; and up to `seats` of them (the
+    pool's engine ceiling across its replicas) may be admitted to free slots rather than
+    queued. So the queue is surely full only when those requests fill both the seats and the
+    queue. The count is a lower bound on the real queue (other router replicas add to it), so
+    this never sheds what the gates would admit; it only spares a pool replica the round trip
+    of a refusal under overload.
     """
     if queue_slots <= 0:
         return False
     ahead = sum(n for cls, n in waiting.items() if cls <= priority)
-    return ahead >= queue_slots
+    return ahead >= queue_slots + seats
+
+
+@dataclass(frozen=True)
+class PoolRoute:
+    """A pool as the router knows it from the config."""
+
+    name: str
+    prefix: str  # the path segment, e.g. "online" for /online/v1/...
+    start_capacity: int
+    default_priority: PriorityClass
+    borrow: BorrowRule | None = None
+    queue_slots: int = 0  # the pool's gate queue per replica (`queue.max_queued`); 0: never shed here
+    max_num_seqs: int = 0  # the engine ceiling per replica: the most a gate can admit at once
+
+
+@dataclass(frozen=True)
+class Attempt:
+    pool: str
+    borrowed: bool
+
+
+def dispatch_plan(home: str, priority: PriorityClass, rule: BorrowRule | None, home_load: PoolLoad,
+                  target_load: PoolLoad | None, may_borrow: bool, target_full: bool) -> tuple[Attempt, ...]:
+    """Where to send a request, in order. Borrowing first when it pays (never interactive work,
+    never into a target whose queue would refuse it), then home: a lender that is busy again
+    by the time the request reaches it refuses it, and the request goes home."""
+    home_only = (Attempt(home, False),)
+    if rule is None or target_load is None or priority == PriorityClass.INTERACTIVE or not may_borrow \
+            or target_full:
+        return home_only
+    ok, _why = borrow_decision(home_load, target_load, rule)
+    return (Attempt(rule.into, True), Attempt(home, False)) if ok else home_only

@@ -60,10 +60,14 @@ class Stack:
         return httpx.request(method, f"{self.base_url}{path}", headers={"Authorization": f"Bearer {ADMIN}"},
                              timeout=30, **kw)
 
+    @property
+    def admin_client(self):
+        from deployments.admin_client import AdminClient
+
+        return AdminClient(self.base_url, ADMIN)
+
     def pools(self) -> dict:
-        r = self.admin("GET", "/admin/pools")
-        r.raise_for_status()
-        return r.json()
+        return {name: s.model_dump(mode="json") for name, s in self.admin_client.pools().items()}
 
     def replica(self, pool: str) -> dict:
         """The pool's replica as the controller last heard from it. Under a flood on these two
@@ -81,19 +85,11 @@ class Stack:
 
     @contextlib.contextmanager
     def pinned(self, pool: str, seqs: int, calibrating: bool = True):
-        """Hold a pool's limit for the duration of a block, and wait until replicas apply it."""
-        since = time.time()
-        r = self.admin("POST", f"/admin/pools/{pool}/limits", json={"max_active_seqs": seqs,
-                                                                     "calibrating": calibrating})
-        assert r.status_code == 200, r.text
-        # A report made before the pin can show `seqs` while the reply to it, computed earlier,
-        # still moves the replica elsewhere: only a report made after the pin proves it applied.
-        wait_for(lambda: self.fresh_replica(pool, since)["limits"]["max_active_seqs"] == seqs, 30,
-                 what=f"{pool} at {seqs}")
-        try:
+        """Hold a pool's limit for the duration of a block; it starts once every replica applied
+        it (they echo the pin's epoch)."""
+        with self.admin_client.pinned(pool, seqs, calibrating):
+            assert self.replica(pool)["limits"]["max_active_seqs"] == seqs
             yield
-        finally:
-            self.admin("DELETE", f"/admin/pools/{pool}/limits")
 
     def wait_idle(self, pool: str, timeout: float = 120) -> None:
         wait_for(lambda: (lambda r: r["active"] == 0 and sum(r["queued_by_class"].values()) == 0)(self.replica(pool)),

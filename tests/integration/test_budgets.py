@@ -110,3 +110,24 @@ def test_kv_estimator_matches_vllm_startup_log(stack):
         assert abs(estimate - reported) / reported <= 0.05, (estimate, reported)
     described = stack.admin("GET", "/admin/pools/online-chat/describe").json()
     assert abs(described["kv_capacity_tokens"] - estimate) / estimate <= 0.05
+
+
+def test_a_request_of_n_choices_counts_n_sequences(stack):
+    """At a limit of 2 with one long stream running, a request of n=2 waits at the gate
+    (1 + 2 > 2) until the stream ends, then completes with its two choices."""
+    pool = "online-chat"
+    with stack.pinned(pool, 2):
+        stack.wait_idle(pool)
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "a long answer please"}],
+                "max_tokens": 1900, "stream": True, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as ex, httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{stack.base_url}/online/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {KEYS['chat']}"}) as resp:
+                lines = resp.iter_lines()
+                assert any(next(lines).startswith("data: {") for _ in range(6))
+                wide = ex.submit(lambda: stack.client("chat").chat.completions.create(
+                    model="tiny-llama", messages=[{"role": "user", "content": "two"}], max_tokens=8, n=2))
+                r = wait_for(lambda: (lambda x: x if sum(x["queued_by_class"].values()) == 1 else None)(
+                    stack.replica(pool)), 20, what="the n=2 request waiting at the gate")
+                assert r["active"] == 1 and not wide.done()
+            assert len(wide.result(timeout=60).choices) == 2

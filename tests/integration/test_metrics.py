@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -87,17 +88,26 @@ def test_named_metrics_exist_and_move(stack):
         with ThreadPoolExecutor(24) as ex:
             assert all(r.status_code == 200 for r in ex.map(lambda _: _offline(stack), range(24)))
     with stack.pinned("online-chat", 1):
-        queue_seen = []
+        # A queue held at the gate until the dashboard has shown it: six requests kept outstanding at
+        # a limit of one. (A burst's queue lasts seconds, and the export is sampled: it could be missed.)
+        stop = threading.Event()
 
-        def watch():
-            m = scrape(stack.metrics_url)
-            queue_seen.append(total(m, "ray_poolserve_queue_depth", pool="online-chat"))
-            return max(queue_seen) > 0
+        def keep_queued(_):
+            while not stop.is_set():
+                assert _chat(stack, max_tokens=32, stream=False).status_code == 200
 
-        with ThreadPoolExecutor(1) as ex:
-            burst = ex.submit(asyncio.run, _burst(stack, 300))
-            wait_for(watch, 60, interval=1, what="a queue on the dashboard")
-            codes = burst.result()
+        with ThreadPoolExecutor(6) as ex:
+            keepers = [ex.submit(keep_queued, i) for i in range(6)]
+            try:
+                wait_for(lambda: sum(stack.replica("online-chat")["queued_by_class"].values()) > 0, 30,
+                         what="a queue at the gate")
+                wait_for(lambda: total(scrape(stack.metrics_url), "ray_poolserve_queue_depth", pool="online-chat") > 0,
+                         120, interval=1, what="the held queue on the dashboard")
+            finally:
+                stop.set()
+            for k in keepers:
+                k.result()
+        codes = asyncio.run(_burst(stack, 300))
     assert set(codes) == {200, 429} and codes.count(429) >= 30 and codes.count(200) >= 60, \
         {c: codes.count(c) for c in set(codes)}
 

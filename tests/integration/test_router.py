@@ -80,6 +80,9 @@ BAD = [
     ("/online/v1/completions", {"model": "tiny-llama", "max_tokens": 2}, "chat", 400, "missing_field", "'prompt'"),
     ("/online/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}, "chat", 400, "invalid_value",
      "one prompt per request"),
+    (CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "chat", 400, "json_too_deep", "max_json_depth"),
+    (CHAT, ok_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), "chat",
+     400, "invalid_request", "tool"),  # vLLM needs a tool parser for tool_choice auto: the engine would refuse it
 ]
 
 
@@ -91,6 +94,44 @@ def test_bad_requests_get_clear_errors(stack, path, body, key, status, code, fra
     err = r.json()["error"]
     assert err["code"] == code and fragment in err["message"], err
     assert err["type"] and err["message"]
+
+
+HIDDEN = "queue " * 1300  # about 1,300 tokens of the tiny model's tokenizer
+HIDDEN_TOKENS = {
+    "tools": {"tools": [{"type": "function", "function": {"name": "lookup", "description": HIDDEN,
+                                                          "parameters": {"type": "object"}}}], "tool_choice": "none"},
+    "documents": {"documents": [{"title": "notes", "text": HIDDEN}]},
+    "tool_calls": {"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": None, "tool_calls": [{
+                                    "id": "c1", "type": "function",
+                                    "function": {"name": "lookup", "arguments": json.dumps({"q": HIDDEN})}}]},
+                                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+}
+
+
+@pytest.mark.parametrize("extra", HIDDEN_TOKENS.values(), ids=HIDDEN_TOKENS.keys())
+def test_every_prompt_token_the_engine_renders_is_charged(stack, extra):
+    """`limited` may spend 1,200 tokens a minute. A chat of a few words whose tools, documents or
+    earlier tool calls render about 1,300 more prompt tokens is too large for that quota: the
+    charge is the prompt as the engine renders it, not the text of the messages."""
+    r = post(stack, CHAT, ok_body(max_tokens=8, **extra), "limited")
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "request_too_large_for_quota"
+    small = post(stack, CHAT, ok_body(max_tokens=8, **json.loads(json.dumps(extra).replace(HIDDEN, "queue"))), "other")
+    assert small.status_code == 200, small.text  # the same request, small, runs
+
+
+def test_a_burst_the_gate_can_hold_is_never_shed(stack):
+    """At a limit of 2 and a queue of 64, a burst of 66 requests fits: two run, 64 wait. The
+    router sheds at its edge only when its waiting requests fill the queue *and* every seat a
+    gate could still hand out, so none of these gets a 429."""
+    with stack.pinned("online-chat", 2, calibrating=False):
+        stack.wait_idle("online-chat")
+        with ThreadPoolExecutor(max_workers=66) as ex:
+            answers = list(ex.map(lambda _: post(stack, CHAT, ok_body(max_tokens=24, ignore_eos=True)), range(66)))
+    statuses = [r.status_code for r in answers]
+    assert statuses == [200] * 66, {s: statuses.count(s) for s in set(statuses)}
+    assert max(int(r.headers["x-poolserve-queued-ms"]) for r in answers) > 0  # most of them waited
 
 
 def test_wrong_method_and_unknown_path(stack):
@@ -108,6 +149,10 @@ def test_router_serves_normally_after_bad_requests(stack):
 
 
 def test_priority_header_is_clamped_to_the_ceiling(stack):
+    # on the online pool, whose default class (interactive) is above this tenant's ceiling
+    for headers in ({}, {"x-poolserve-priority": "interactive"}):
+        r = post(stack, "/online/v1/completions", {"prompt": "x", "max_tokens": 2}, "batch", headers=headers)
+        assert r.status_code == 200 and r.headers["x-poolserve-priority"] == "standard", (headers, r.headers)
     r = post(stack, "/offline/v1/completions", {"prompt": "x", "max_tokens": 2}, "batch",
              headers={"x-poolserve-priority": "interactive"})
     assert r.status_code == 200 and r.headers["x-poolserve-priority"] in ("standard", "borrowed")
@@ -170,7 +215,7 @@ def test_online_ttft_under_a_batch_flood(stack):
     stack.wait_idle("offline-batch")
     idle = statistics.median([ttft() for _ in range(10)])
     flood = subprocess.Popen(
-        [sys.executable, "-m", "bench.loadgen", "--url", f"{stack.base_url}/offline/v1", "--key", KEYS["batch"],
+        [sys.executable, "-m", "infra.loadgen", "--url", f"{stack.base_url}/offline/v1", "--key", KEYS["batch"],
          "--concurrency", "640", "--no-stream", "--prompt", "32", "--output", "48", "--warmup", "0",
          "--duration", "40"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

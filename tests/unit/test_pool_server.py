@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pools.engine import StatsBox
 from pools.gate import Ceilings, QueuePolicy
 from pools.server import PoolServer, PoolSettings
 from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Refused, Rejected, SafeRange
@@ -16,20 +17,37 @@ RANGE = SafeRange((1, 2, 4), 1, 4, 100, 10_000)
 
 
 class FakeEngine:
-    """Streams `n` chunks then a usage chunk, like vLLM's OpenAI layer; records priorities."""
+    """`pools.engine.Engine`, deterministic: streams `max_tokens` chunks then a usage chunk, as
+    vLLM's OpenAI layer does (in lists, as the real engine batches them); records priorities."""
 
     seen_priorities: list[int] = []
     release = None  # an asyncio.Event that holds streams open when set by a test
     fail_with: Exception | None = None  # raised before the first chunk, as vLLM's chat rendering does
 
-    def __init__(self, llm_config) -> None:
-        pass
+    def __init__(self) -> None:
+        self.stats_box = StatsBox()
 
     async def start(self) -> None:
         pass
 
-    async def completions(self, request, raw_request_info=None):
-        FakeEngine.seen_priorities.append(request.priority)
+    def facts(self):
+        return None
+
+    async def warm_up(self, requests: int) -> None:
+        pass
+
+    async def check_health(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+    def generate(self, call):
+        return self._generate(call)
+
+    async def _generate(self, call):
+        request = call.body
+        FakeEngine.seen_priorities.append(int(call.priority))
         if FakeEngine.fail_with is not None:
             raise FakeEngine.fail_with
         if not request.stream:
@@ -38,11 +56,9 @@ class FakeEngine:
         for i in range(request.max_tokens):
             if FakeEngine.release is not None:
                 await FakeEngine.release.wait()
-            yield f'data: {{"choices":[{{"text":"t{i}"}}]}}\n\n'
-        yield ('data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % request.max_tokens)
-        yield "data: [DONE]\n\n"
-
-    chat = completions
+            yield [f'data: {{"choices":[{{"text":"t{i}"}}]}}\n\n']
+        yield ['data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % request.max_tokens,
+               "data: [DONE]\n\n"]
 
 
 def settings(**queue) -> PoolSettings:
@@ -57,16 +73,14 @@ def settings(**queue) -> PoolSettings:
 
 async def make_server(**queue) -> PoolServer:
     server = PoolServer.__new__(PoolServer)
-    config = SimpleNamespace(multiplex_config=lambda: None)
-    await server.__init__(config, settings=settings(**queue), controller=None, engine_cls=FakeEngine)
-    server._maybe_add_request_id_to_request = lambda body: asyncio.sleep(0)
+    await server.__init__(settings=settings(**queue), engine=FakeEngine())
     return server
 
 
-def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=False) -> PoolCall:
+def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=False, n=1) -> PoolCall:
     body = SimpleNamespace(stream=stream, max_tokens=max_tokens, priority=0)
     return PoolCall("completions", body, "t", 1.0, priority, prompt_tokens=3, max_tokens=max_tokens,
-                    include_usage=include_usage)
+                    include_usage=include_usage, n=n)
 
 
 async def collect(server, c) -> list:
@@ -198,3 +212,24 @@ def test_input_error_inside_the_engine_is_a_refusal_not_an_exception(stream):
     refused = [x for x in items if isinstance(x, Refused)]
     assert len(refused) == 1 and "KeyError" in refused[0].message and "role" in refused[0].message
     assert stats.active == 0 and stats.inflight_tokens == 0  # the slot is free again
+
+
+def test_a_call_of_n_choices_needs_n_free_sequences():
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server()
+        server._gate.set_limits(RANGE.limits_for(2))
+        running = server.generate(call())
+        assert isinstance(await running.__anext__(), Admitted)  # one of two sequences
+        wide = server.generate(call(n=2))
+        first = await wide.__anext__()
+        stats = server._gate.gate.stats()
+        FakeEngine.release.set()
+        _ = [x async for x in running]
+        verdict = await wide.__anext__()
+        _ = [x async for x in wide]
+        return first, stats, verdict
+
+    first, stats, verdict = asyncio.run(go())
+    assert isinstance(first, Arrived) and stats.active == 1 and stats.queued == 1
+    assert isinstance(verdict, Admitted)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pools.types import PriorityClass as P
-from router.policy import BorrowRule, PolicyError, PoolLoad, borrow_decision, choose_pool, resolve_priority
+from router.errors import ApiError
+from router.policy import BorrowRule, PoolLoad, borrow_decision, choose_pool, resolve_priority
 
 
 @pytest.mark.parametrize("default, ceiling, asked, expected", [
@@ -22,7 +23,7 @@ def test_resolve_priority(default, ceiling, asked, expected):
 
 @pytest.mark.parametrize("asked", ["urgent", "borrowed"])
 def test_bad_priority_names_the_header(asked):
-    with pytest.raises(PolicyError) as e:
+    with pytest.raises(ApiError) as e:
         resolve_priority(P.STANDARD, P.STANDARD, asked)
     assert e.value.status == 400 and "x-poolserve-priority" in e.value.message
 
@@ -35,7 +36,7 @@ def test_bad_priority_names_the_header(asked):
 ])
 def test_choose_pool(path_pool, allowed, expected):
     if isinstance(expected, int):
-        with pytest.raises(PolicyError) as e:
+        with pytest.raises(ApiError) as e:
             choose_pool(path_pool, allowed, home="b" if "b" in allowed else "a", known=("a", "b"))
         assert e.value.status == expected
     else:
@@ -78,8 +79,44 @@ def test_queue_surely_full_counts_only_requests_at_least_as_important():
 
     I, S, B, BR = P.INTERACTIVE, P.STANDARD, P.BATCH, P.BORROWED
     waiting = {I: 1, S: 2, B: 5, BR: 4}
-    assert queue_surely_full(waiting, B, 8)  # 1 + 2 + 5 ahead of or beside a batch request
-    assert not queue_surely_full(waiting, S, 8)  # it would evict queued batch work: let the gate decide
-    assert not queue_surely_full(waiting, I, 2)
-    assert queue_surely_full(waiting, BR, 12)
-    assert not queue_surely_full(waiting, B, 0)  # no queue known: never shed at the router
+    assert queue_surely_full(waiting, B, 8, 0)  # 1 + 2 + 5 ahead of or beside a batch request
+    assert not queue_surely_full(waiting, S, 8, 0)  # it would evict queued batch work: let the gate decide
+    assert not queue_surely_full(waiting, I, 2, 0)
+    assert queue_surely_full(waiting, BR, 12, 0)
+    assert not queue_surely_full(waiting, B, 0, 0)  # no queue known: never shed at the router
+
+
+@pytest.mark.parametrize("waiting, queue, seats, full", [
+    (8, 8, 4, False),  # four of the eight may take free seats rather than queue
+    (11, 8, 4, False),
+    (12, 8, 4, True),  # seats and queue both full
+    (3, 1, 2, True),
+], ids=["seats-free", "one-short", "both-full", "small"])
+def test_requests_that_free_seats_would_admit_are_never_shed(waiting, queue, seats, full):
+    from router.policy import queue_surely_full
+
+    assert queue_surely_full({P.STANDARD: waiting}, P.STANDARD, queue, seats) is full
+
+
+def _tenant(**kw):
+    from router.config import TenantConfig
+
+    return TenantConfig(name="t", key_sha256="0" * 64, pools=("p",), **kw)
+
+
+@pytest.mark.parametrize("tenant, pool_default, asked, expected", [
+    (dict(max_priority="standard"), P.INTERACTIVE, None, P.STANDARD),  # the pool's default is clamped too
+    (dict(max_priority="standard"), P.INTERACTIVE, "interactive", P.STANDARD),
+    (dict(max_priority="standard"), P.BATCH, None, P.BATCH),
+    (dict(max_priority="standard"), P.BATCH, "standard", P.STANDARD),
+    (dict(max_priority="standard"), P.BATCH, "interactive", P.STANDARD),
+    (dict(priority="batch", max_priority="standard"), P.INTERACTIVE, None, P.BATCH),
+    (dict(priority="batch", max_priority="standard"), P.INTERACTIVE, "interactive", P.STANDARD),
+    (dict(), P.INTERACTIVE, None, P.INTERACTIVE),  # no ceiling set: the default is the ceiling
+    (dict(), P.BATCH, "interactive", P.BATCH),
+    (dict(priority="standard"), P.INTERACTIVE, "interactive", P.STANDARD),
+], ids=["pool-default-clamped", "asked-clamped", "pool-default-below", "asked-up-to-ceiling", "asked-above",
+        "own-default", "own-default-asked", "no-ceiling", "no-ceiling-asked", "own-default-is-ceiling"])
+def test_a_tenant_never_gets_above_its_ceiling(tenant, pool_default, asked, expected):
+    t = _tenant(**tenant)
+    assert resolve_priority(t.default_class(pool_default), t.ceiling(pool_default), asked) == expected

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
-from pools.types import Admitted, Arrived
+from pools.control import PoolView
+from pools.types import Admitted, Arrived, PriorityClass
 from router.errors import ApiError
-from tests.unit.test_router_auth import TENANTS, FakeCounter, FakeHandle
-from router.app import PoolRoute, Router, RouterSettings
-from router.config import RouterConfig
-from pools.types import PriorityClass
+from router.stream import PoolStream
+from tests.unit.router_harness import make_router
 
 
-class Stream:
+class Slow:
     """A pool stream whose items come after `delay` seconds each."""
 
     def __init__(self, items, delay: float) -> None:
@@ -29,46 +27,52 @@ class Stream:
         self.cancelled = True
 
 
-def _flight() -> SimpleNamespace:
-    return SimpleNamespace(never_ran=False, mark=lambda step: None)
-
-
-def router(reach_s: float) -> Router:
-    settings = RouterSettings("m", "/nowhere", 64, RouterConfig(reach_timeout_s=reach_s), TENANTS,
-                              (PoolRoute("p", "p", 4, PriorityClass.STANDARD),))
-    return Router(settings, {"p": FakeHandle()}, FakeHandle(), object(), counter=FakeCounter())
+def verdict(items, delay: float, reach_s: float, views=None):
+    async def go():
+        router, _ = make_router(views=views)
+        if views:
+            router._loads.update_views(views)
+        settlement = router._settlement(router._s.tenants[1], await router._charge(router._s.tenants[1], 0), 0.0)
+        settlement.dispatch("p", False)
+        stream = Slow(items, delay)
+        try:
+            got = await PoolStream(stream, "p", settlement).verdict(router._loads, PriorityClass.STANDARD, reach_s)
+        except ApiError as e:
+            got = e
+        never_ran = settlement.never_ran
+        settlement.close()
+        return got, stream, never_ran
+    return asyncio.run(go())
 
 
 def test_no_replica_within_the_bound_is_503_with_retry_after():
-    stream, flight = Stream([Arrived("r")], delay=5), _flight()
-    with pytest.raises(ApiError) as e:
-        asyncio.run(router(0.05)._admission(stream, "p", flight, PriorityClass.STANDARD))
-    assert e.value.status == 503 and e.value.code == "pool_unavailable" and e.value.retry_after_s > 0
-    assert "'p'" in e.value.message and "restarting" in e.value.message
-    assert stream.cancelled and flight.never_ran  # the quota charge is refunded
+    e, stream, s = verdict([Arrived("r")], delay=5, reach_s=0.05)
+    assert e.status == 503 and e.code == "pool_unavailable" and e.retry_after_s > 0
+    assert "'p'" in e.message and "restarting" in e.message
+    assert stream.cancelled and s  # the quota charge is refunded
 
 
 def test_queue_wait_after_arrival_is_not_bounded():
     admitted = Admitted("p", "r", 0.2)
-    stream = Stream([Arrived("r"), admitted], delay=0.1)  # each step alone exceeds nothing; together 2x the bound
-    got = asyncio.run(router(0.15)._admission(stream, "p", _flight(),
-                                               PriorityClass.STANDARD))
-    assert got is admitted and not stream.cancelled
+    got, stream, s = verdict([Arrived("r"), admitted], delay=0.1, reach_s=0.15)  # together 2x the bound
+    assert got is admitted and not stream.cancelled and not s
 
 
 def test_a_verdict_decided_at_once_needs_no_arrived_marker():
     admitted = Admitted("p", "r", 0.0)
-    stream = Stream([admitted], delay=0.01)
-    got = asyncio.run(router(0.15)._admission(stream, "p", _flight(), PriorityClass.STANDARD))
+    got, stream, _ = verdict([admitted], delay=0.01, reach_s=0.15)
     assert got is admitted and stream.items == []
 
 
 def test_a_live_but_swamped_pool_is_429_not_503():
-    r = router(0.05)
-    r._views = {"p": SimpleNamespace(fresh=True, replicas=1)}  # its replicas report: alive
-    stream, flight = Stream([Arrived("r")], delay=5), _flight()
-    with pytest.raises(ApiError) as e:
-        asyncio.run(r._admission(stream, "p", flight, PriorityClass.STANDARD))
-    assert e.value.status == 429 and e.value.code == "pool_busy" and e.value.retry_after_s >= 5
-    assert stream.cancelled and flight.never_ran
+    views = {"p": PoolView("p", 1, 4, 4, 8, True)}  # its replicas report: alive
+    e, stream, s = verdict([Arrived("r")], delay=5, reach_s=0.05, views=views)
+    assert e.status == 429 and e.code == "pool_busy" and e.retry_after_s >= 5
+    assert stream.cancelled and s
 
+
+@pytest.mark.parametrize("first", ["a string", ["a list"]])
+def test_an_engine_item_before_the_verdict_breaks_the_protocol(first):
+    with pytest.raises(RuntimeError, match="protocol"):
+        got, _, _ = verdict([first], delay=0.0, reach_s=1)
+        raise got if isinstance(got, Exception) else AssertionError(got)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.errors import ApiError
-from tests.unit.test_router_auth import router
+from router.pricing import Pricer
+from tests.unit.router_harness import WordCounter
 
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def pricer() -> Pricer:
+    return Pricer("m", 64, WordCounter())
 
 
 @pytest.mark.parametrize("body, param, fragment", [
@@ -18,13 +25,25 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"messages": [MSG[0], {"author": {"role": "system"}, "channel": "x"}]}, "messages[1].role", "role"),
     ({"messages": []}, "messages", "non-empty"),
     ({"messages": "hello"}, "messages", "list"),
+    ({"messages": MSG, "prompt_embeds": "x"}, "prompt_embeds", "text or token ids"),
+    ({"messages": MSG, "n": 17}, "n", "between 1 and 16"),
 ])
 def test_bad_bodies_are_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as e:
-        router()._validate("chat", body)
+        asyncio.run(pricer().price("chat", body))
     assert e.value.status == 400 and e.value.param == param and fragment in e.value.message
 
 
 def test_a_good_body_passes():
-    body = router()._validate("chat", {"messages": MSG, "max_tokens": 4})
-    assert body.messages[0]["role"] == "user" and body.max_tokens == 4
+    priced = asyncio.run(pricer().price("chat", {"messages": MSG, "max_tokens": 4, "n": 3}))
+    assert priced.body.messages[0]["role"] == "user" and priced.max_tokens == 4
+    assert priced.cost == priced.prompt_tokens + 3 * 4  # n sequences of max_tokens each
+
+
+@pytest.mark.parametrize("kind, body, max_tokens", [
+    ("chat", {"messages": MSG}, 64 - 3),  # the rest of the context
+    ("completions", {"prompt": "a b"}, 16),  # vLLM's default for completions
+    ("completions", {"prompt": "a b", "max_tokens": None}, 16),
+])
+def test_max_tokens_defaults_are_the_engines(kind, body, max_tokens):
+    assert asyncio.run(pricer().price(kind, body)).max_tokens == max_tokens

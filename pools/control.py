@@ -1,0 +1,200 @@
+"""The control plane's contract: what replicas report, what the controller answers, and what
+operators, the router, the CLI, the benchmarks and the tests read back.
+
+Reports and directives cross a Ray handle every report interval (dataclasses: cheap to
+pickle). Status, describe and operator results cross HTTP as JSON (pydantic models: the
+admin API writes them with `model_dump(mode="json")`, clients read them back with
+`model_validate`), so no reader parses a dict by string keys.
+
+Epochs. Every change of a pool's limits (an autoscaler move, an operator's pin or unpin)
+takes the next epoch of that pool; a directive carries it and each replica echoes the
+epoch it applied in its next report. "The limit is applied" is then a fact: every replica
+reports `applied_epoch >= epoch`, never a guess from timestamps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from pools.config import Frozen
+from pools.types import BatchLimits, EngineStats, GateStats, LatencySample, SafeRange
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """A pool replica's report to the controller, every tick."""
+
+    pool: str
+    replica: str
+    time: float
+    gate: GateStats
+    engine: EngineStats
+    latency: LatencySample
+    safe_range: SafeRange
+    profile_stale: bool = False
+    stale_reason: str = ""
+    applied_epoch: int = 0  # the epoch of the last directive this replica applied
+    fingerprint: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LimitsDirective:
+    """The controller's reply to a report: the limits a replica should apply now."""
+
+    limits: BatchLimits
+    allowed: SafeRange
+    epoch: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the router needs to know about a pool: capacity and load across replicas."""
+
+    pool: str
+    replicas: int
+    capacity: int
+    active: int
+    queued: int
+    fresh: bool
+    calibrating: bool = False  # pinned for a sweep: no borrowing into or out of it
+    lending: bool = True  # an operator may stop other pools borrowing this one
+
+
+# -- read by people and programs over HTTP ------------------------------------------------
+
+class LimitsJson(Frozen):
+    max_active_seqs: int
+    max_inflight_tokens: int
+
+
+class EngineJson(Frozen):
+    running: int
+    waiting: int
+    kv_usage: float
+    preemptions: int
+    generated_tokens: int
+
+
+class ReplicaStatus(Frozen):
+    replica: str
+    reported_at: float = Field(description="The replica's wall clock when it made the report (s since the epoch).")
+    applied_epoch: int
+    active: int = Field(description="Sequences holding a slot (a request of n choices counts n).")
+    active_requests: int
+    peak_active: int
+    queued_by_class: dict[str, int]
+    queued_tokens: int
+    inflight_tokens: int
+    limits: LimitsJson
+    admitted: int
+    rejected: int
+    evicted: int
+    cancelled: int
+    completed: int
+    engine: EngineJson
+    profile_stale: bool
+
+    @property
+    def queued(self) -> int:
+        return sum(self.queued_by_class.values())
+
+    @classmethod
+    def of(cls, s: ReplicaStats) -> "ReplicaStatus":
+        g, e = s.gate, s.engine
+        return cls(
+            replica=s.replica, reported_at=s.time, applied_epoch=s.applied_epoch, active=g.active,
+            active_requests=g.active_requests, peak_active=g.peak_active, queued_by_class=dict(g.queued_by_class),
+            queued_tokens=g.queued_tokens, inflight_tokens=g.inflight_tokens,
+            limits=LimitsJson(max_active_seqs=g.limits.max_active_seqs,
+                              max_inflight_tokens=g.limits.max_inflight_tokens),
+            admitted=g.admitted, rejected=g.rejected, evicted=g.evicted, cancelled=g.cancelled,
+            completed=g.completed,
+            engine=EngineJson(running=e.running, waiting=e.waiting, kv_usage=e.kv_usage, preemptions=e.preemptions,
+                              generated_tokens=e.generated_tokens),
+            profile_stale=s.profile_stale)
+
+
+class SloJson(Frozen):
+    ttft_p99_ms: float = Field(gt=0)
+    tpot_p99_ms: float = Field(gt=0)
+
+
+class PoolSnapshot(Frozen):
+    """A pool's replicas, aggregated: what the autoscaler decides on. `fresh` is False when
+    reports are missing or old."""
+
+    fresh: bool
+    replicas: int = 0
+    queued: int = 0
+    queued_tokens: int = 0
+    active: int = 0
+    rejected_total: int = 0
+    preemptions_total: int = 0
+    kv_usage: float = 0.0
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+    samples: int = 0
+
+
+class PoolStatus(Frozen):
+    """One pool as the controller sees it (`GET /admin/pools`)."""
+
+    pool: str
+    target_max_active_seqs: int | None
+    epoch: int = Field(description="The epoch of the pool's current limits; replicas echo it once applied.")
+    pinned: int | None
+    calibrating: bool
+    safe_range: tuple[int, int]
+    ladder: tuple[int, ...]
+    slo: SloJson
+    profile_stale: str
+    lending: bool
+    snapshot: PoolSnapshot
+    replicas: tuple[ReplicaStatus, ...]
+
+    def applied(self, epoch: int) -> bool:
+        """Every replica that reports has applied `epoch` (or a later one)."""
+        return bool(self.replicas) and all(r.applied_epoch >= epoch for r in self.replicas)
+
+
+class DecisionJson(Frozen):
+    time: float
+    pool: str
+    old: int
+    new: int
+    action: str
+    code: str
+    reason: str
+    applied: bool
+
+
+class NiceJson(Frozen):
+    replica: int | None
+    engines: tuple[int | None, ...]
+
+
+class Describe(Frozen):
+    """A replica's engine facts and fingerprint (`GET /admin/pools/{pool}/describe`)."""
+
+    pool: str
+    replica: str
+    fingerprint: dict[str, str | int | float]
+    kv_capacity_tokens: int | None
+    block_size: int | None
+    cudagraph_capture_sizes: tuple[int, ...]
+    profile_stale: str
+    nice: NiceJson
+
+
+class PinResult(Frozen):
+    """An operator's pin: applied at `epoch`, or refused with the reason."""
+
+    pool: str
+    pinned: int | None = None
+    max_inflight_tokens: int | None = None
+    allowed: tuple[int, int] | None = None
+    epoch: int | None = None
+    error: str | None = None

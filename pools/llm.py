@@ -1,0 +1,220 @@
+"""The one adapter onto Ray LLM's private internals (`ray.llm._internal`) and vLLM.
+
+Every use of a private Ray LLM name lives here, so a Ray upgrade is checked in one file.
+vLLM and Ray LLM are imported lazily: importing this module costs nothing, and the pure
+code and its tests never load them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def request_models() -> tuple[type, type]:
+    """The OpenAI request models ray.serve.llm validates with (vLLM's): (chat, completions)."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+    return ChatCompletionRequest, CompletionRequest
+
+
+def sanitize_chat(body: Any) -> Any:
+    """What ray.serve.llm's ingress does to a chat request before it crosses to a replica:
+    one-shot iterators in `content` and `tool_calls` become lists, so the request pickles."""
+    from ray.llm._internal.serve.core.ingress.utils import _sanitize_chat_completion_request
+
+    return _sanitize_chat_completion_request(body)
+
+
+def vllm_client_errors() -> tuple[type[BaseException], ...]:
+    """vLLM's exception for bad input (its validators raise it), or nothing when vLLM is
+    not installed (the pure tests)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ()
+    return (VLLMClientError,)
+
+
+class PromptError(ValueError):
+    """vLLM refused to render a request's prompt (bad messages, template, tools ...)."""
+
+
+class PromptTooLong(PromptError):
+    """The rendered prompt does not fit the context; `tokens` is a lower bound, if known."""
+
+    def __init__(self, message: str, tokens: int | None) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
+class PromptRenderer:
+    """vLLM's own engine-less renderer, configured as the pool engines are, so the router
+    counts exactly the prompt tokens an engine will see: the chat template with `tools`,
+    `documents`, `chat_template_kwargs`, assistant `tool_calls`, every content part,
+    truncation and special tokens, as vLLM renders them (Ray LLM's pre-routing tokenizer
+    builds the same renderer). Building it loads the tokenizer and model config (a
+    fraction of a second); each count renders one deep copy of the request."""
+
+    def __init__(self, llm_config: Any) -> None:
+        from vllm.entrypoints.chat_utils import load_chat_template
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        from vllm.renderers import renderer_from_config
+        from vllm.renderers.online_renderer import OnlineRenderer
+
+        from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
+
+        _, vllm_config = _get_vllm_engine_config(llm_config, device_type="cpu")
+        frontend = FrontendArgs(**llm_config.get_engine_config().frontend_kwargs)
+        self._model_config = vllm_config.model_config
+        self._renderer = OnlineRenderer(
+            self._model_config, renderer_from_config(vllm_config), request_logger=None,
+            chat_template=load_chat_template(frontend.chat_template),
+            chat_template_content_format=frontend.chat_template_content_format,
+            trust_request_chat_template=frontend.trust_request_chat_template,
+            enable_auto_tools=frontend.enable_auto_tool_choice,
+            exclude_tools_when_tool_choice_none=frontend.exclude_tools_when_tool_choice_none,
+            tool_parser=frontend.tool_call_parser,
+            default_chat_template_kwargs=frontend.default_chat_template_kwargs,
+        )
+
+    async def count(self, kind: str, body: Any) -> int:
+        """Prompt tokens of a validated chat or completion request; PromptError when vLLM
+        would refuse it."""
+        import jinja2
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.renderers.inputs.preprocess import extract_prompt_len
+
+        request = body.model_copy(deep=True)  # rendering mutates the request
+        try:
+            if kind == "chat":
+                result = await self._renderer.render_chat(request, skip_mm_cache=True)
+                inputs = result if isinstance(result, ErrorResponse) else result[1]
+            else:
+                inputs = await self._renderer.render_completion(request, skip_mm_cache=True)
+        except (ValueError, TypeError, KeyError, jinja2.TemplateError, *vllm_client_errors()) as e:
+            if getattr(e, "parameter", None) == "input_tokens":  # vLLM's own context-length check
+                raise PromptTooLong(str(e), getattr(e, "value", None)) from None
+            if getattr(e, "parameter", None) == "input_text":  # the same, judged from characters
+                raise PromptTooLong(str(e), None) from None
+            raise PromptError(f"{type(e).__name__}: {e}") from None
+        if isinstance(inputs, ErrorResponse):
+            raise PromptError(inputs.error.message)
+        return sum(extract_prompt_len(self._model_config, x) for x in inputs)
+
+
+class RayLLMEngine:
+    """`pools.engine.Engine` on ray.serve.llm's VLLMEngine, with a stat logger that keeps
+    vLLM's scheduler figures (running, waiting, KV usage, preemptions, generated tokens,
+    engine-side latencies) in a `StatsBox`, and streams batched every `stream_batching_ms`
+    after the first item."""
+
+    START_TIMEOUT_S = 3600.0
+
+    def __init__(self, llm_config: Any, stream_batching_ms: float) -> None:
+        from pools.engine import StatsBox
+
+        self._llm_config = llm_config
+        self._interval_s = stream_batching_ms / 1e3
+        self.stats_box = StatsBox()
+        self._engine: Any = None
+        self._vllm_config: Any = None
+
+    async def start(self) -> None:
+        import asyncio
+
+        self._engine = _stat_logging_engine_cls(self)(self._llm_config)
+        await asyncio.wait_for(self._engine.start(), self.START_TIMEOUT_S)
+
+    def facts(self):
+        import vllm
+
+        from pools.engine import EngineFacts, hardware_name
+
+        if self._vllm_config is None:
+            return None
+        cache = self._vllm_config.cache_config
+        sizes = self._vllm_config.compilation_config.cudagraph_capture_sizes or []
+        return EngineFacts(vllm_version=vllm.__version__, hardware=hardware_name(),
+                           kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
+                           block_size=cache.block_size, cudagraph_capture_sizes=tuple(sorted(sizes)))
+
+    def generate(self, call: Any):
+        from pools.engine import batched
+
+        body = call.body.model_copy(update={"priority": int(call.priority)})  # vLLM runs lower values first
+        stream = getattr(self._engine, call.kind)(body, None)
+        return batched(stream, self._interval_s) if getattr(body, "stream", False) else stream
+
+    async def warm_up(self, requests: int) -> None:
+        """Short requests of growing batch sizes: the first ones after a start compile kernels."""
+        import asyncio
+
+        _, completion_cls = request_models()
+
+        async def one(i: int) -> None:
+            async for _ in self._engine.completions(
+                    completion_cls(prompt="warm up " * (4 + 8 * i), max_tokens=8, ignore_eos=True), None):
+                pass
+
+        size = 1
+        while size <= requests:
+            await asyncio.gather(*(one(i) for i in range(size)))
+            size *= 2
+        self.stats_box.clear_latency()
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()
+
+
+def _stat_logging_engine_cls(owner: RayLLMEngine):
+    """VLLMEngine whose AsyncLLM gets one more stat logger, writing into `owner.stats_box`."""
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+
+    class StatLoggingEngine(VLLMEngine):
+        def _start_async_llm_engine(self, vllm_engine_args, vllm_engine_config, placement_group):
+            client = super()._start_async_llm_engine(vllm_engine_args, vllm_engine_config, placement_group)
+            owner._vllm_config = vllm_engine_config
+            if client.logger_manager is not None:
+                client.logger_manager.stat_loggers.append(_recorder_cls(owner.stats_box)(None, [0]))
+            return client
+
+    return StatLoggingEngine
+
+
+def _recorder_cls(box: Any):
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    class _Recorder(AggregateStatLoggerBase):
+        def __init__(self, vllm_config, engine_indexes):  # noqa: D401 - vLLM's signature
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                box.running = scheduler_stats.num_running_reqs
+                box.waiting = scheduler_stats.num_waiting_reqs
+                box.kv_usage = scheduler_stats.kv_cache_usage
+            if iteration_stats is not None:
+                box.preemptions += iteration_stats.num_preempted_reqs
+                box.generated_tokens += iteration_stats.num_generation_tokens
+                box.add_ttft(iteration_stats.time_to_first_tokens_iter)
+                box.add_tpot(r.mean_time_per_output_token for r in iteration_stats.finished_requests)
+
+        def log_engine_initialized(self):
+            pass
+
+    return _Recorder
+
+
+def deployment_options(llm_config: Any) -> dict[str, Any]:
+    """The Serve options ray.serve.llm gives an LLM server deployment: its placement group
+    (the engine's bundles merged with the replica's) and runtime env, with Ray LLM's defaults."""
+    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
+    from ray.llm._internal.serve.core.server.builder import DEFAULT_DEPLOYMENT_OPTIONS
+    from ray.serve.llm import LLMServer
+
+    return maybe_apply_llm_deployment_config_defaults(DEFAULT_DEPLOYMENT_OPTIONS,
+                                                      LLMServer.get_deployment_options(llm_config))

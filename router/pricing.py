@@ -1,0 +1,196 @@
+"""A request body in, a typed request with its token cost out.
+
+The cost is what the engine will hold: every prompt token it renders (counted by vLLM's
+own renderer, configured as the engines are: chat template, tools, documents, template
+kwargs, tool calls, content parts, truncation) plus `n` x `max_tokens`. Quotas and the
+pools' gates are charged this before any work starts; the real usage settles it after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pools.llm import PromptError, PromptTooLong, request_models, sanitize_chat, vllm_client_errors
+from pools.types import CallKind
+from router.errors import ApiError
+
+# Request fields that belong to the operator, not to a tenant: rejected with a 400.
+RESERVED_FIELDS = {
+    "priority": "set the class with the x-poolserve-priority header instead",
+    "request_id": "the router assigns request ids",
+    "kv_transfer_params": "internal to disaggregated serving",
+    "ec_transfer_params": "internal to disaggregated serving",
+    "chat_template": "the model's own chat template is used",
+    "vllm_xargs": "engine extension arguments are not accepted from tenants",
+    "media_io_kwargs": "text models only",
+    "mm_processor_kwargs": "text models only",
+    "prompt_embeds": "send the prompt as text or token ids",
+}
+MAX_N = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /completions; chat's is the rest of the context
+
+
+class PromptCounter(Protocol):
+    async def count(self, kind: str, body: Any) -> int: ...
+
+
+@dataclass(frozen=True)
+class PricedRequest:
+    kind: CallKind
+    body: Any  # the validated OpenAI request model (vLLM's, as ray.serve.llm uses)
+    prompt_tokens: int
+    max_tokens: int  # per sequence
+    n: int
+    client_usage: bool  # the client asked for the usage chunk of a stream
+
+    @property
+    def stream(self) -> bool:
+        return bool(getattr(self.body, "stream", False))
+
+    @property
+    def cost(self) -> int:
+        return self.prompt_tokens + self.n * self.max_tokens
+
+
+class Pricer:
+    def __init__(self, model_id: str, max_model_len: int, counter: PromptCounter) -> None:
+        self._model_id = model_id
+        self._limit = max_model_len
+        self._counter = counter
+
+    async def price(self, kind: CallKind, data: dict) -> PricedRequest:
+        body, client_usage = self.validate(kind, data)
+        n = getattr(body, "n", None) or 1
+        if n < 1 or n > MAX_N:
+            raise ApiError(400, "invalid_value", f"n is {n}; it must be between 1 and {MAX_N}", "n")
+        if kind == "completions":
+            _one_prompt(body.prompt)
+        asked, param = _asked(kind, body)
+        self._check_asked(asked, param)
+        try:
+            prompt = await self._counter.count(kind, body)
+        except PromptTooLong as e:
+            at_least = f"at least {e.tokens}" if e.tokens else "more than max_model_len allows of"
+            raise ApiError(400, "context_length_exceeded", f"the prompt is {at_least} tokens and {param} is "
+                                                           f"{asked or 0}: together above max_model_len {self._limit}; "
+                                                           "shorten the prompt", _prompt_param(kind))
+        except PromptError as e:
+            raise ApiError(400, "invalid_request", f"the engine would refuse this request: {e}", _prompt_param(kind))
+        return PricedRequest(kind, body, prompt, self._max_tokens(kind, asked, param, prompt), n, client_usage)
+
+    def validate(self, kind: CallKind, data: dict) -> tuple[Any, bool]:
+        """The request model of a body, or a 400 naming the field; and whether the client
+        asked for a stream's usage chunk (the pool always gets one, to settle the charge)."""
+        for key, why in RESERVED_FIELDS.items():
+            if key in data:
+                raise ApiError(400, "reserved_field", f"field {key!r} is not accepted: {why}", key)
+        model = data.get("model")
+        if model is not None and model != self._model_id:
+            raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
+                                                   f"{self._model_id!r}", "model")
+        if kind == "chat":
+            _check_messages(data)
+        elif data.get("prompt") is None:
+            raise ApiError(400, "missing_field", "field 'prompt' is required", "prompt")
+        client_usage = False
+        if data.get("stream"):
+            opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
+            client_usage = bool(opts.get("include_usage"))
+            data = {**data, "stream_options": {**opts, "include_usage": True}}
+        return _model(kind, data), client_usage
+
+    def _check_asked(self, asked: int | None, param: str) -> None:
+        """Output lengths no prompt can go with are refused before anything is rendered."""
+        if asked is None:
+            return
+        if asked < 1:
+            raise ApiError(400, "invalid_value", f"{param} is {asked}; it must be at least 1", param)
+        if asked >= self._limit:
+            raise ApiError(400, "context_length_exceeded", f"{param} is {asked}: with any prompt above max_model_len "
+                                                           f"{self._limit}; ask for at most {self._limit - 1}", param)
+
+    def _max_tokens(self, kind: str, asked: int | None, param: str, prompt: int) -> int:
+        limit = self._limit
+        if prompt >= limit:
+            raise ApiError(400, "context_length_exceeded", f"the prompt is {prompt} tokens; max_model_len is "
+                                                           f"{limit}: shorten the prompt", _prompt_param(kind))
+        if asked is None:
+            return limit - prompt if kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, limit - prompt)
+        if prompt + asked > limit:
+            raise ApiError(400, "context_length_exceeded",
+                           f"{param} is {asked} and the prompt is {prompt} tokens: together above max_model_len "
+                           f"{limit}; ask for at most {limit - prompt}", param)
+        return asked
+
+
+def _asked(kind: str, body: Any) -> tuple[int | None, str]:
+    if kind == "chat" and body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def _prompt_param(kind: str) -> str:
+    return "messages" if kind == "chat" else "prompt"
+
+
+def _check_messages(data: dict) -> None:
+    """Checked before the model: pydantic's union errors would list every message type."""
+    if "messages" not in data:
+        raise ApiError(400, "missing_field", "field 'messages' is required: a list of {role, content} messages",
+                       "messages")
+    messages = data["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "invalid_request", "messages must be a non-empty list of {role, content} objects",
+                       "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, "invalid_request", f"messages[{i}].role is required: each message is an object "
+                                                   "with a 'role' and its 'content'", f"messages[{i}].role")
+
+
+def _one_prompt(prompt: Any) -> None:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) and len(prompt) != 1:
+        raise ApiError(400, "invalid_value", f"prompt holds {len(prompt)} prompts; send one prompt per request",
+                       "prompt")
+
+
+def _model(kind: str, data: dict) -> Any:
+    from pydantic import ValidationError
+
+    chat_cls, completion_cls = request_models()
+    try:
+        body = (chat_cls if kind == "chat" else completion_cls).model_validate(data)
+    except ValidationError as e:
+        raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
+    except RecursionError:
+        raise ApiError(400, "json_too_deep", "the request body nests too deeply to validate; flatten it")
+    except Exception as e:  # noqa: BLE001 - the body is the only input, so any failure is the body's
+        # vLLM's before-validators raise VLLMValidationError, or crash on a field of the wrong
+        # type (AttributeError on `structured_outputs: 5`, say) before pydantic checks types.
+        if isinstance(e, (ValueError, TypeError, *vllm_client_errors())):
+            raise ApiError(400, "invalid_request", f"invalid request: {e}", getattr(e, "parameter", None))
+        raise ApiError(400, "invalid_request", f"invalid request ({type(e).__name__}: {e}); a field has the "
+                                               "wrong type: see the schema at /openapi.json")
+    if kind == "chat":
+        try:
+            body = sanitize_chat(body)
+        except ValueError as e:
+            raise ApiError(400, "invalid_request", str(e), "messages")
+    return body
+
+
+def _validation_message(e) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    more = len(e.errors()) - 5
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def _first_param(e) -> str | None:
+    errs = e.errors()
+    if not errs or not errs[0].get("loc"):
+        return None
+    return str(errs[0]["loc"][0])

@@ -1,0 +1,211 @@
+"""The pool-stream protocol as the router reads it, and each request's one settlement.
+
+A pool replica's `generate(PoolCall)` streams:
+
+    [Arrived]                  first, only when the call has to queue at the gate
+    Admitted | Rejected        a slot was granted, or refused (the last item then)
+    Refused | engine items     the engine refused the input, or its output: SSE text in
+                               lists (a stream) or one whole response
+    Finished(usage)            last: the real usage, which settles the quota charge
+
+`Settlement` holds one request's books (its quota charge, its place in the pool load
+counts, its metrics and log line) and closes them exactly once, however the request ends:
+completed, refused, shed, failed, or abandoned by its client at any await. The route
+registers `Settlement.abandon` on its own task, so even a response whose body never
+started (its client left between the handler's return and the first byte) is settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from pools.types import Admitted, Arrived, Finished, PriorityClass, Refused, Rejected, Usage
+from router.config import TenantConfig
+from router.errors import ApiError, retry_after_header, sse_error
+from router.leases import QuotaClient
+from router.load import PoolLoads
+from router.quota import Charge
+
+log = logging.getLogger("poolserve.router")
+
+DONE = "data: [DONE]\n\n"
+STEPS = ("router", "reach", "queue", "engine")  # Server-Timing: where the time to the first item went
+
+
+class Settlement:
+    def __init__(self, tenant: TenantConfig, charge: Charge, quota: QuotaClient, loads: PoolLoads, metrics: Any,
+                 received: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenant, self.charge = tenant, charge
+        self._quota, self._loads, self._metrics, self._clock = quota, loads, metrics, clock
+        self.received = received
+        self.pool: str | None = None
+        self.borrowed = False
+        self.usage: Usage | None = None  # the engine's, when the request ran to its end
+        self.never_ran = True  # until a gate admits it: refund the whole charge
+        self.shed: str | None = None  # refused by the router on the pool's behalf: the reason
+        self.status = 200
+        self.closed = False
+        self.stream: "PoolStream | None" = None
+        self.marks: dict[str, float] = {}
+
+    def dispatch(self, pool: str, borrowed: bool) -> None:
+        """The request goes to `pool` (again, when a lender sent it home)."""
+        if self.pool is not None:
+            self._loads.done(self.pool, self.tenant.name, self.borrowed)
+        self.pool, self.borrowed = pool, borrowed
+        self._loads.start(pool, self.tenant.name, borrowed)
+
+    def mark(self, step: str) -> None:
+        self.marks[step] = self._clock()
+
+    def server_timing(self) -> str:
+        """router: auth, parsing, token count, quota; reach: until a replica took the call;
+        queue: in its gate; engine: until the engine's first output reached the router."""
+        last, parts = self.received, []
+        for name, key in zip(STEPS, ("sent", "arrived", "admitted", "first")):
+            if (at := self.marks.get(key)) is not None:
+                parts.append(f"{name};dur={(at - last) * 1e3:.1f}")
+                last = at
+        return ", ".join(parts)
+
+    def fail(self, error: ApiError) -> ApiError:
+        self.status = error.status
+        self.close()
+        return error
+
+    def abandon(self, _task: Any = None) -> None:
+        """The request's task ended: if its books are still open, its client left."""
+        if not self.closed:
+            if self.stream is not None:
+                self.stream.cancel()
+            self.status = 499
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.pool is not None:
+            self._loads.done(self.pool, self.tenant.name, self.borrowed)
+        used = 0 if self.never_ran else (self.usage.total_tokens if self.usage else None)
+        self._quota.finish(self.charge, used)
+        m, u = self._metrics, self.usage or Usage(0, 0)
+        m.request(self.pool or "-", self.tenant.name, self.status)
+        if self.shed:
+            m.shed(self.pool, self.tenant.name, self.shed)
+        if self.usage is not None:
+            m.tokens(self.tenant.name, self.pool, u.prompt_tokens, u.completion_tokens)
+        log.info("tenant=%s pool=%s borrowed=%s status=%d prompt_tokens=%d completion_tokens=%d ms=%.0f",
+                 self.tenant.name, self.pool, self.borrowed, self.status, u.prompt_tokens, u.completion_tokens,
+                 (self._clock() - self.received) * 1e3)
+
+
+class PoolStream:
+    """One call's stream from a pool replica (a Serve response generator)."""
+
+    def __init__(self, gen: Any, pool: str, settlement: Settlement) -> None:
+        self._gen, self.pool, self._s = gen, pool, settlement
+        settlement.stream = self
+
+    def cancel(self) -> None:
+        self._gen.cancel()
+
+    async def verdict(self, loads: PoolLoads, cls: PriorityClass, reach_timeout_s: float) -> Admitted | Rejected:
+        """The gate's verdict. Reaching a replica is bounded by `reach_timeout_s` (none took the
+        call: it is restarting, or swamped); the wait in its queue is not."""
+        with loads.waiting(self.pool, cls):
+            try:
+                first = await asyncio.wait_for(self._gen.__anext__(), reach_timeout_s)
+            except asyncio.TimeoutError:
+                self.cancel()
+                raise self._unreached(loads, reach_timeout_s) from None
+            self._s.mark("arrived")
+            verdict = await self._gen.__anext__() if isinstance(first, Arrived) else first
+            if not isinstance(verdict, (Admitted, Rejected)):
+                raise RuntimeError(f"pool {self.pool!r} broke the stream protocol: {type(verdict).__name__} "
+                                   "came before its verdict")
+            self._s.mark("admitted")
+        if isinstance(verdict, Rejected):
+            loads.retry_hint[self.pool] = verdict.retry_after_s
+        else:
+            self._s.never_ran = False
+        return verdict
+
+    def _unreached(self, loads: PoolLoads, reach: float) -> ApiError:
+        if loads.view(self.pool) is not None:  # it reports, so it is alive: too busy to pick the call up
+            self._s.shed = "pool_busy"
+            hint = max(loads.retry_hint[self.pool], 5.0)
+            return ApiError(429, "pool_busy", f"pool {self.pool!r} is overloaded: no replica picked the request up "
+                                              f"within {reach:g}s; retry after {retry_after_header(hint)}s",
+                            retry_after_s=hint)
+        self._s.shed = "pool_unavailable"
+        return ApiError(503, "pool_unavailable", f"no replica of pool {self.pool!r} answered within {reach:g}s; it "
+                                                 "may be restarting", retry_after_s=10)
+
+    async def first(self) -> Any:
+        """The engine's first item; an input error the engine found is a 400."""
+        first = await self._gen.__anext__()
+        self._s.mark("first")
+        if isinstance(first, Refused):
+            self._s.never_ran = True
+            raise ApiError(400, first.code, first.message)
+        err = getattr(first, "error", None) if not isinstance(first, (list, str)) else None
+        if err is not None and hasattr(err, "message"):
+            status = int(getattr(err, "code", 400) or 400)
+            self._s.never_ran = True
+            raise ApiError(status if 400 <= status < 600 else 400, str(getattr(err, "type", "invalid_request")),
+                           err.message)
+        return first
+
+    async def whole(self, first: Any) -> Any:
+        """A whole response: the rest of the stream is only its `Finished`."""
+        try:
+            async for item in self._gen:
+                if isinstance(item, Finished):
+                    self._s.usage = item.usage
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        except Exception as e:  # the pool failed after answering: the usage is lost, the answer is not whole
+            log.warning("pool %s failed after its response: %r", self.pool, e)
+            raise self._s.fail(ApiError(503, "pool_failed", f"pool {self.pool!r} failed while answering; retry the "
+                                                            "request", retry_after_s=5)) from None
+        self._s.close()
+        return first
+
+    async def relay(self, first: Any) -> AsyncIterator[str]:
+        """The pool's SSE chunks as text. `[DONE]` is held back until `Finished` arrived, so a
+        client that hangs up at `[DONE]` cannot cut off the usage."""
+        finished = False
+        try:
+            if text := _text(first):
+                yield text
+            async for item in self._gen:
+                if isinstance(item, Finished):
+                    self._s.usage = item.usage
+                elif text := _text(item):
+                    yield text
+            finished = True
+            yield DONE
+        except Exception as e:  # the pool failed mid-stream: end the stream with an error event
+            log.warning("pool %s failed mid-stream: %r", self.pool, e)
+            self._s.status, finished = 503, True
+            yield sse_error(503, "pool_failed", f"pool {self.pool!r} failed while streaming; the response is "
+                                                "incomplete: retry the request")
+            yield DONE
+        finally:
+            if not finished:
+                self.cancel()
+                self._s.status = 499  # the client closed the connection
+            self._s.close()
+
+
+def _text(item: Any) -> str:
+    if isinstance(item, list):
+        text = "".join(x if isinstance(x, str) else f"data: {x.model_dump_json()}\n\n" for x in item)
+    else:
+        text = item if isinstance(item, str) else f"data: {item.model_dump_json()}\n\n"
+    return text.replace(DONE, "")

@@ -1,0 +1,182 @@
+"""The router's promises over ASGI, with fake pools: every request's books close once, bad or
+slow input is refused before it costs anything, and a tenant sees only its own figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pools.control import PoolView
+from router.ingress import make_app
+from tests.unit.router_harness import FakePool, answer, auth, client, make_router
+
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+
+
+def books_closed(router) -> bool:
+    """No request of this router is in flight, and tenant a's concurrency slot is back."""
+    lease = router._quota._book.lease("a")
+    return router._loads.inflight("p") == 0 and lease.slots_used == 0
+
+
+def test_a_stream_whose_client_left_before_the_first_byte_still_settles():
+    """The handler returned its streaming response, then the client left before the response
+    was sent: the body never started, and the request's task ended. Its books close anyway."""
+    async def go():
+        router, _ = make_router()
+        request = _request({**CHAT, "stream": True}, "a")
+        task = asyncio.get_running_loop().create_task(router.route(request, "chat", "p"))
+        response = await task  # never sent: its body iterator never runs
+        await asyncio.sleep(0)  # the task's done callbacks run
+        return router, response
+
+    router, response = asyncio.run(go())
+    assert response.status_code == 200 and books_closed(router)
+
+
+def test_nested_json_is_a_400_naming_the_limit():
+    async def go():
+        router, _ = make_router(max_json_depth=16)
+        async with client(router) as c:
+            deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
+            r1 = await c.post("/p/v1/chat/completions", content=deep, headers=auth("b"))
+            r2 = await c.post("/p/v1/chat/completions", content=json.dumps({**CHAT, "x": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}),
+                              headers=auth("b"))
+            return r1, r2, router
+
+    r1, r2, router = asyncio.run(go())
+    for r in (r1, r2):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep"
+        assert "max_json_depth" in r.json()["error"]["message"]
+    assert books_closed(router)
+
+
+def test_a_pool_failing_after_a_whole_answer_began_is_a_503_not_a_500():
+    async def go():
+        router, _ = make_router(FakePool(lambda call: answer(call, fail_after_first=True)))
+        async with client(router) as c:
+            r = await c.post("/p/v1/chat/completions", json=CHAT, headers=auth("a"))
+        return r, router
+
+    r, router = asyncio.run(go())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "pool_failed" and "retry-after" in r.headers
+    assert books_closed(router)
+
+
+def test_a_slow_body_times_out_and_holds_a_concurrency_slot_meanwhile():
+    """The body is read after the request's slot is charged: a tenant at max_concurrent 1 that
+    uploads slowly cannot start a second request meanwhile; the slow one ends in 408."""
+    async def go():
+        router, _ = make_router(body_timeout_s=0.3)
+        app = make_app()
+        app.post("/{prefix}/v1/chat/completions")(router.chat)
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(1)
+                return {"type": "http.request", "body": b'{"messages": [', "more_body": True}
+            await asyncio.sleep(3600)
+
+        messages = []
+
+        async def send(message):
+            messages.append(message)
+
+        scope = _scope("/p/v1/chat/completions", "a")
+        slow = asyncio.get_running_loop().create_task(app(scope, receive, send))
+        await asyncio.sleep(0.05)
+        async with client(router) as c:
+            second = await c.post("/p/v1/chat/completions", json=CHAT, headers=auth("a"))
+        await slow
+        return messages[0]["status"], second, router
+
+    status, second, router = asyncio.run(go())
+    assert status == 408
+    assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_quota_exceeded"
+    assert books_closed(router)
+
+
+def test_a_tenant_out_of_requests_is_refused_before_its_body_is_read():
+    async def go():
+        router, _ = make_router()
+        async with client(router) as c:
+            first = await c.post("/p/v1/chat/completions", json=CHAT, headers=auth("slow"))
+            second = await c.post("/p/v1/chat/completions", content=b"not even json", headers=auth("slow"))
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.json()["error"]["code"] == "requests_quota_exceeded"
+
+
+def test_usage_shows_a_tenant_only_its_own_requests_in_flight():
+    async def go():
+        hold = asyncio.Event()
+        router, _ = make_router(FakePool(lambda call: answer(call, hold=hold)))
+        async with client(router) as c:
+            running = asyncio.get_running_loop().create_task(
+                c.post("/p/v1/chat/completions", json=CHAT, headers=auth("a")))
+            while router._loads.inflight("p") == 0:
+                await asyncio.sleep(0.01)
+            other = (await c.get("/v1/usage", headers=auth("b"))).json()
+            own = (await c.get("/v1/usage", headers=auth("a"))).json()
+            hold.set()
+            await running
+        return other, own
+
+    other, own = asyncio.run(go())
+    assert other["inflight"] == {"p": 0} and own["inflight"] == {"p": 1}
+
+
+def test_borrowing_stops_while_the_controllers_view_is_stale():
+    from pools.types import PriorityClass
+    from router.policy import BorrowRule, PoolRoute
+
+    class Clock:
+        t = 100.0
+
+        def __call__(self):
+            return self.t
+
+    from tests.unit import router_harness as h
+    from router.app import RouterSettings
+    from router.config import RouterConfig
+    from router.ingress import Endpoints
+    from router.leases import LedgerService
+    from router.quota import Quota
+
+    clock = Clock()
+    routes = (PoolRoute("off", "off", 2, PriorityClass.BATCH, BorrowRule("on", 0.5, 0.5, 0.0), 8, 4),
+              PoolRoute("on", "on", 4, PriorityClass.INTERACTIVE, None, 8, 4))
+    settings = RouterSettings("m", 64, RouterConfig(view_max_age_s=5), h.TENANTS, routes)
+    router = Endpoints(settings, {"off": FakePool(), "on": FakePool()}, h.FakeController(),
+                       LedgerService({t.name: Quota() for t in h.TENANTS}), h.WordCounter(), clock)
+    router._loads.update_views({"off": PoolView("off", 1, 2, 2, 10, True), "on": PoolView("on", 1, 4, 0, 0, True)})
+    assert router._plan("off", PriorityClass.BATCH)[0].borrowed  # home saturated, lender idle: borrow
+    clock.t += 6  # the controller stopped answering
+    plan = router._plan("off", PriorityClass.BATCH)
+    assert len(plan) == 1 and not plan[0].borrowed
+
+
+def _scope(path: str, tenant: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"authorization", f"Bearer key-{tenant}".encode()),
+                                         (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("router", 80)}
+
+
+def _request(body: dict, tenant: str):
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+    done = []
+
+    async def receive():
+        if done:
+            await asyncio.sleep(3600)
+        done.append(1)
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return Request(_scope("/p/v1/chat/completions", tenant), receive)
