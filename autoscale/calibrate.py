@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from autoscale.knee import find_knee
+from autoscale.knee import find_knee, latency_of
 from autoscale.profile import (CudaGraphCheck, Fingerprint, KneeRule, LadderRow, Profile, SLOSpec, TrafficSpec)
 
 
@@ -44,7 +44,7 @@ def build_profile(pool: str, rows: Sequence[LadderRow], fingerprint: Fingerprint
     verdict = find_knee(rows, slo, rule)
     return Profile(pool=pool, created_at=created_at, fingerprint=fingerprint, slo=slo, traffic=traffic, rule=rule,
                    rows=tuple(rows), knee=verdict.knee, range=(verdict.low, verdict.high),
-                   feasible=verdict.feasible, reason=verdict.reason,
+                   feasible=verdict.feasible, decided_by=verdict.decided_by, reason=verdict.reason,
                    cudagraph=cudagraph_check([r.max_active_seqs for r in rows], captured))
 
 
@@ -61,34 +61,35 @@ def markdown_table(profile: Profile) -> str:
     return "\n".join(lines) + f"\n\nSafe range [{low}, {high}]: {profile.reason}.\n"
 
 
-def plot(profile: Profile, path: str) -> None:
-    """Output tok/s against P99 TTFT, one point per step, the knee marked, the range shaded."""
+def plot(profile: Profile, path: str, title: str | None = None) -> None:
+    """Output tok/s against the ladder's P99 latency (TTFT, or end to end for whole responses),
+    one point per step, the knee marked, the range shaded, the TTFT SLO drawn where it applies."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = profile.rows
-    x = [r.ttft_ms.p99 for r in rows]
+    x, name = latency_of(rows)
     y = [r.output_tok_per_s for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     low, high = profile.range
-    inside = [(a, b) for a, b, r in zip(x, y, rows) if low <= r.max_active_seqs <= high]
+    inside = [a for a, r in zip(x, rows) if low <= r.max_active_seqs <= high]
     if inside:
-        ax.axvspan(min(a for a, _ in inside) * 0.95, max(a for a, _ in inside) * 1.05, color="tab:green", alpha=0.15,
+        ax.axvspan(min(inside) * 0.95, max(inside) * 1.05, color="tab:green", alpha=0.15,
                    label=f"safe range [{low}, {high}]")
     ax.plot(x, y, "o-", color="tab:blue")
     for a, b, r in zip(x, y, rows):
         ax.annotate(str(r.max_active_seqs), (a, b), textcoords="offset points", xytext=(5, 5))
     if profile.knee is not None:
-        k = next(r for r in rows if r.max_active_seqs == profile.knee)
-        ax.plot([k.ttft_ms.p99], [k.output_tok_per_s], "X", color="tab:red", markersize=12,
-                label=f"knee ({profile.knee})")
-    ax.axvline(profile.slo.ttft_p99_ms, color="tab:red", linestyle=":", label="TTFT SLO")
+        k = next(i for i, r in enumerate(rows) if r.max_active_seqs == profile.knee)
+        ax.plot([x[k]], [y[k]], "X", color="tab:red", markersize=12, label=f"knee ({profile.knee})")
+    if name == "P99 TTFT" and profile.slo.ttft_p99_ms < max(x) * 3:
+        ax.axvline(profile.slo.ttft_p99_ms, color="tab:red", linestyle=":", label="TTFT SLO")
     ax.set_xscale("log")
-    ax.set_xlabel("P99 TTFT (ms, log)")
+    ax.set_xlabel(f"{name} (ms, log)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{profile.pool}: throughput vs tail latency by max_active_seqs")
+    ax.set_title(title or f"{profile.pool}: throughput vs tail latency by max_active_seqs", fontsize=10)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

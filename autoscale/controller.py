@@ -1,7 +1,7 @@
 """The autoscale controller: replica reports in, limits out, one decision per pool per tick.
 
-`Controller` is the state machine (clock injected, no Ray); `ControllerService` is the
-thin asyncio shell that Serve deploys: it ticks every `interval_s` and exports metrics.
+`Controller` is the state machine (clock injected, no Ray); `autoscale.service` is the thin
+asyncio shell that Serve deploys around it.
 
 Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and applies
 the `LimitsDirective` in the reply. The controller never calls replicas, so a replica
@@ -15,8 +15,12 @@ is not: a controller that starts adopts the limits the replicas report, so a res
 nothing. It cannot know when the limits last moved either, so adoption counts as a change:
 the cooldown and the latency window run from it.
 
-Stale profiles. A replica whose engine does not match its pool's calibration profile
-says so in its report; the pool's range is then pinned to its lowest step.
+Profiles. A pool configured with a profile runs on the profile measured on its own set-up
+(model, dtype, context, hardware, vLLM, ceilings: the fingerprint its replicas report): one
+kept in the profile store, else the configured one if its fingerprint matches. Without one,
+its `calibration.mode` decides: `auto` serves at the fallback range while a sweep measures a
+profile in the background (`autoscale.selfcal`), then moves inside the measured range;
+`fallback` stays at the fallback range; `strict` runs at the bottom of the configured range.
 """
 
 from __future__ import annotations
@@ -28,23 +32,16 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, Reason, decide
+from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
+from autoscale.profile import Fingerprint, Profile
+from autoscale.ranges import PoolSpec, allowed_range, measured_range, profiled, settle
+from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
-from infra.stats import percentile
-from pools.control import (DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus, PoolView, ReplicaStats,
-                           ReplicaStatus, SloJson)
+from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
+                           PoolView, ReplicaStats, ReplicaStatus, SloJson)
 from pools.types import SafeRange
 
 log = logging.getLogger("poolserve.autoscale")
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    name: str
-    safe_range: SafeRange
-    ttft_slo_s: float
-    tpot_slo_s: float
-    max_num_seqs: int
 
 
 @dataclass(frozen=True)
@@ -64,17 +61,22 @@ class _PoolState:
     operator: Operator = field(default_factory=Operator)
     policy: PolicyState | None = None  # None until the first report is adopted
     reports: dict[str, tuple[float, ReplicaStats]] = field(default_factory=dict)  # replica -> (received, stats)
-    stale_reason: str = ""
+    calibration: CalibrationJson = field(default_factory=lambda: CalibrationJson(state="unknown"))
+    measured: SafeRange | None = None  # the range of the profile the pool runs on
+    sweep: int | None = None  # a background sweep's pin: never kept across restarts (a new sweep starts)
+    fingerprint: Fingerprint | None = None
     last_logged: str = ""
 
 
 class Controller:
     def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, clock: Callable[[], float],
-                 wall_clock: Callable[[], float] = time.time, store: StateStore | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, store: StateStore | None = None,
+                 profiles: ProfileStore | None = None) -> None:
         self._config = config
         self._clock = clock
         self._wall = wall_clock
         self._store = store or MemoryStore()
+        self._profiles = profiles or ProfileStore(MemoryStore())
         self._pools = {name: _PoolState(spec, self._restore(name)) for name, spec in specs.items()}
         self._log: collections.deque[DecisionJson] = collections.deque(maxlen=config.decision_log_size)
 
@@ -91,11 +93,8 @@ class Controller:
         p.reports[stats.replica] = (now, stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
-        if stats.profile_stale and not p.stale_reason:
-            p.stale_reason = stats.stale_reason or "profile fingerprint differs from the engine"
-            self._bump(p)
-            log.warning("pool %s: calibration profile is stale (%s); pinned to the bottom of its range",
-                        stats.pool, p.stale_reason)
+        if p.calibration.state == "unknown":
+            self._settle_profile(p, stats)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
             adopted = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
@@ -105,7 +104,7 @@ class Controller:
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
         target = self.target(stats.pool)
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch,
-                               "pinned" if p.operator.pinned is not None else "")
+                               "pinned" if self._pinned(p) is not None else "")
 
     # -- decisions ---------------------------------------------------------------
 
@@ -114,7 +113,7 @@ class Controller:
 
     def _decide(self, name: str) -> DecisionJson | None:
         p, now = self._pools[name], self._clock()
-        if p.policy is None or p.operator.pinned is not None:
+        if p.policy is None or self._pinned(p) is not None:
             return None
         old = p.policy.target
         new, state, reason = decide(self.snapshot(name), p.policy, self._policy_config(p), now)
@@ -157,35 +156,14 @@ class Controller:
         return [s for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
 
     def snapshot(self, name: str) -> PoolSnapshot:
-        fresh = self._fresh(name)
-        if not fresh:
-            return PoolSnapshot(fresh=False)
-        ttft = [x for s in fresh for x in s.latency.ttft_s]
-        tpot = [x for s in fresh for x in s.latency.tpot_s]
-        return PoolSnapshot(
-            fresh=True,
-            replicas=len(fresh),
-            queued=sum(s.gate.queued for s in fresh),
-            queued_tokens=sum(s.gate.queued_tokens for s in fresh),
-            active=sum(s.gate.active for s in fresh),
-            rejected_total=sum(s.gate.rejected + s.gate.evicted for s in fresh),
-            preemptions_total=sum(s.engine.preemptions for s in fresh),
-            kv_usage=max(s.engine.kv_usage for s in fresh),
-            ttft_p99_s=percentile(ttft, 99) if ttft else None,
-            tpot_p99_s=percentile(tpot, 99) if tpot else None,
-            samples=min(len(ttft), len(tpot)) if tpot else len(ttft),
-        )
+        return aggregate(self._fresh(name))
 
     def allowed(self, name: str) -> SafeRange:
         p = self._pools[name]
-        return self._range(p, p.operator.calibrating)
+        return self._range(p, p.operator.calibrating or p.sweep is not None)
 
     def _range(self, p: _PoolState, calibrating: bool) -> SafeRange:
-        r = p.spec.safe_range
-        if calibrating:
-            ladder = tuple(range(1, p.spec.max_num_seqs + 1))
-            return SafeRange(ladder, 1, p.spec.max_num_seqs, r.tokens_per_seq, r.max_inflight_tokens)
-        return r.clamp_to_low() if p.stale_reason else r
+        return allowed_range(p.spec, p.calibration.state, p.measured, calibrating)
 
     def slo(self, name: str) -> SloJson:
         p = self._pools[name]
@@ -193,34 +171,86 @@ class Controller:
 
     def target(self, name: str) -> int | None:
         p = self._pools[name]
-        if p.operator.pinned is not None:
-            return p.operator.pinned
+        if (pinned := self._pinned(p)) is not None:
+            return pinned
         return None if p.policy is None else p.policy.target
+
+    @staticmethod
+    def _pinned(p: _PoolState) -> int | None:
+        return p.sweep if p.sweep is not None else p.operator.pinned
 
     def views(self) -> dict[str, PoolView]:
         out = {}
         for name, p in self._pools.items():
             fresh, target = self._fresh(name), self.target(name)
             seqs = target if target is not None else self.allowed(name).low
+            sweeping = p.operator.calibrating or p.calibration.state == "calibrating"  # no borrowing in or out
             out[name] = PoolView(name, len(fresh), seqs * max(1, len(fresh)), sum(s.gate.active for s in fresh),
-                                 sum(s.gate.queued for s in fresh), bool(fresh), p.operator.calibrating,
-                                 p.operator.lending)
+                                 sum(s.gate.queued for s in fresh), bool(fresh), sweeping, p.operator.lending)
         return out
 
     def status(self, name: str) -> PoolStatus:
         p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
         return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
-                          pinned=p.operator.pinned, calibrating=p.operator.calibrating,
+                          pinned=self._pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
-                          profile_stale=p.stale_reason, lending=p.operator.lending,
+                          calibration=p.calibration, lending=p.operator.lending,
                           snapshot=snap,
                           replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
+
+    def replica_stats(self, name: str) -> list[ReplicaStats]:
+        return self._fresh(name)
 
     def decisions(self, limit: int = 100) -> list[DecisionJson]:
         return list(self._log)[-limit:]
 
-    def stale_reason(self, name: str) -> str:
-        return self._pools[name].stale_reason
+    def calibration(self, name: str) -> CalibrationJson:
+        return self._pools[name].calibration
+
+    def fingerprint(self, name: str) -> Fingerprint | None:
+        return self._pools[name].fingerprint
+
+    # -- profiles ------------------------------------------------------------------------
+
+    def _settle_profile(self, p: _PoolState, stats: ReplicaStats) -> None:
+        """Which profile a pool runs on, decided at its first report (its fingerprint is known)."""
+        p.fingerprint = Fingerprint(**stats.fingerprint) if stats.fingerprint else None
+        calibration, profile = settle(p.spec, p.fingerprint, self._profiles)
+        self._set_calibration(p, calibration, profile)
+
+    def _set_calibration(self, p: _PoolState, calibration: CalibrationJson, profile: Profile | None) -> None:
+        p.calibration = calibration
+        if profile is not None:
+            p.measured = measured_range(p.spec, profile)
+        self._bump(p)
+        level = logging.INFO if calibration.measured else logging.WARNING
+        log.log(level, "pool %s: %s; %s; safe range %s", p.spec.name, calibration.source, calibration.detail,
+                list(self.allowed(p.spec.name).steps))
+
+    def sweep_pin(self, name: str, seqs: int | None) -> int:
+        """A background sweep holds the pool at `seqs` (None: lets go); the epoch that carries it."""
+        p = self._pools[name]
+        p.sweep = seqs
+        self._bump(p)
+        return p.operator.epoch
+
+    def needs_sweep(self) -> list[str]:
+        return [name for name, p in self._pools.items() if p.calibration.state == "calibrating"]
+
+    def sweep_progress(self, name: str, detail: str) -> None:
+        p = self._pools[name]
+        p.calibration = p.calibration.model_copy(update={"detail": detail})
+
+    def adopt(self, name: str, profile: Profile) -> None:
+        """A sweep of this set-up finished: the pool moves inside the range it measured."""
+        self._profiles.put(profile)
+        self._set_calibration(self._pools[name], profiled(profile, f"a sweep of this set-up ({profile.created_at})"),
+                              profile)
+
+    def sweep_failed(self, name: str, reason: str) -> None:
+        p = self._pools[name]
+        self._set_calibration(p, CalibrationJson(state="failed", source=p.calibration.source,
+                                                 detail=f"the sweep failed ({reason}): the fallback range"), None)
 
     # -- operator actions --------------------------------------------------------
 
@@ -282,46 +312,3 @@ class Controller:
                       slo=SloJson(**saved["slo"]) if saved.get("slo") else None)
         log.info("pool %s: restored operator settings %s", name, op)
         return op
-
-
-class ControllerService:
-    """What Serve deploys: a Controller plus its tick loop and metrics."""
-
-    def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, store: StateStore | None = None) -> None:
-        from infra.logs import configure_logging
-        from infra.loops import Loops
-        from infra.metrics import ControllerMetrics
-
-        configure_logging()
-        self.controller = Controller(specs, config, time.monotonic, store=store)
-        self._metrics = ControllerMetrics()
-        self._loops = Loops("autoscale controller")
-        self._loops.start("tick", self._tick, config.interval_s, first_delay_s=config.interval_s)
-
-    async def _tick(self) -> None:
-        for d in self.controller.tick():
-            self._metrics.decision(d.pool, d.action, d.code, d.new if d.applied else d.old)
-
-    async def report(self, stats: ReplicaStats) -> LimitsDirective:
-        return self.controller.report(stats)
-
-    async def views(self) -> dict[str, PoolView]:
-        return self.controller.views()
-
-    async def status(self) -> dict[str, PoolStatus]:
-        return {name: self.controller.status(name) for name in self.controller.views()}
-
-    async def decisions(self, limit: int = 100) -> list[DecisionJson]:
-        return self.controller.decisions(limit)
-
-    async def pin(self, pool: str, seqs: int, calibrating: bool = False) -> PinResult:
-        return self.controller.pin(pool, seqs, calibrating)
-
-    async def unpin(self, pool: str) -> PinResult:
-        return self.controller.unpin(pool)
-
-    async def set_slo(self, pool: str, slo: SloJson) -> None:
-        self.controller.set_slo(pool, slo)
-
-    async def set_lending(self, pool: str, enabled: bool) -> None:
-        self.controller.set_lending(pool, enabled)

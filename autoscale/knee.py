@@ -1,22 +1,27 @@
 """Find the throughput/latency knee of a calibration ladder and choose the safe range.
 
-Pure: rows in, verdict out. The rule (see `KneeRule`):
+Pure: rows in, verdict out. Every rule below proposes a highest usable step; the safe range
+is [the lowest step, the lowest of those], and the verdict names the rule that set it.
 
-  1. Hard limits first. A step that breaks the SLO (P99 TTFT or P99 TPOT), runs the KV
-     cache above the watermark, or errs more than allowed is unsafe, and so is every
-     step above it.
-  2. Then the knee. Walking up the ladder, step i is where saturation begins if its
-     P99 TTFT grew by more than `max_p99_growth_pct` over step i-1 while either its
-     output-throughput gain was below `min_gain_pct`, or the growth exceeded
-     `max_growth_per_gain` times the gain. Growth counts only once step i's P99 TTFT is
-     above `significant_slo_fraction` of the SLO: far below the SLO, a relative jump of
-     a small tail is noise or harmless, and a chat pool capped there queues at the gate.
-  3. The safe range is [lowest step, last step before the knee and below any unsafe
-     step], lowered by `headroom_steps`. With no knee in the ladder the range is the
-     whole ladder (up to the first unsafe step) and the reason says so.
+  hard limits  A step that breaks the SLO (P99 TTFT or P99 TPOT, where measured), runs the KV
+               cache above the watermark, or errs more than allowed is unsafe, and so is every
+               step above it.
+  unsteady     A step whose measurement never became steady (it hit its time cap) is not
+               evidence: the range stops below it.
+  knee         Saturation, judged from the curve's shape and not from the SLO: the first step
+               whose P99 latency grows by at least `max_p99_growth_pct` (and `min_p99_delta_ms`)
+               while output throughput gains less than `min_gain_pct`, or more than
+               `max_growth_per_gain` times its gain. A step that still adds a tenth more
+               throughput while multiplying the tail is past the knee, however loose the SLO.
+               Latency is P99 TTFT, or P99 end-to-end for a ladder of whole responses.
+  saturation   On an open-loop ladder (rows with an offered rate): the first step that
+               achieves less than `saturation_ratio` of what was offered.
+  plateau      The smallest step within `plateau_fraction` of the best throughput the hard
+               limits allow: above it a larger batch buys (almost) nothing.
+  headroom     `headroom_steps` below all of that, if asked for.
 
-If even the lowest step is unsafe, the profile is marked infeasible and the range is
-that lowest step alone: the pool can run, but not within its SLO on this hardware.
+If even the lowest step is unsafe or unsteady, the profile is marked infeasible and the range
+is that lowest step alone: the pool can run, but not within its SLO on this hardware.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ class KneeResult:
     high: int
     feasible: bool
     reason: str
+    decided_by: str  # "hard limit" | "unsteady" | "knee" | "saturation" | "plateau" | "headroom" | "ladder"
 
 
-def _violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
+def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
     out = []
     if row.ttft_ms.p99 > slo.ttft_p99_ms:
         out.append(f"P99 TTFT {row.ttft_ms.p99:.0f} ms > SLO {slo.ttft_p99_ms:.0f} ms")
@@ -54,16 +60,55 @@ def _pct(new: float, old: float) -> float:
     return (new - old) / old * 100.0 if old > 0 else (0.0 if new <= 0 else float("inf"))
 
 
-def _knee_index(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> tuple[int | None, str]:
+def latency_of(rows: Sequence[LadderRow]) -> tuple[list[float], str]:
+    """P99 TTFT where every step measured it, else P99 end to end (a ladder of whole responses)."""
+    if all(r.ttft_ms.p99 > 0 for r in rows):
+        return [r.ttft_ms.p99 for r in rows], "P99 TTFT"
+    return [r.e2e_ms.p99 for r in rows], "P99 latency"
+
+
+def _first_unsafe(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> tuple[int, str] | None:
+    for i, r in enumerate(rows):
+        if v := violations(r, slo, rule):
+            return i, f"{r.max_active_seqs} is unsafe: {'; '.join(v)}"
+    return None
+
+
+def _first_unsteady(rows: Sequence[LadderRow]) -> tuple[int, str] | None:
+    return next(((i, f"{r.max_active_seqs} never measured steady (time cap)") for i, r in enumerate(rows)
+                 if not r.steady), None)
+
+
+def _knee(rows: Sequence[LadderRow], rule: KneeRule) -> tuple[int, str] | None:
+    latency, name = latency_of(rows)
     for i in range(1, len(rows)):
         gain = _pct(rows[i].output_tok_per_s, rows[i - 1].output_tok_per_s)
-        growth = _pct(rows[i].ttft_ms.p99, rows[i - 1].ttft_ms.p99)
-        if growth <= rule.max_p99_growth_pct or rows[i].ttft_ms.p99 <= rule.significant_slo_fraction * slo.ttft_p99_ms:
+        growth = _pct(latency[i], latency[i - 1])
+        if growth < rule.max_p99_growth_pct or latency[i] - latency[i - 1] < rule.min_p99_delta_ms:
             continue
         if gain < rule.min_gain_pct or growth > rule.max_growth_per_gain * gain:
-            return i, (f"from {rows[i - 1].max_active_seqs} to {rows[i].max_active_seqs} sequences output "
-                       f"throughput changed {gain:+.0f}% while P99 TTFT grew {growth:+.0f}%")
-    return None, ""
+            return i, (f"knee at {rows[i].max_active_seqs}: from {rows[i - 1].max_active_seqs} to "
+                       f"{rows[i].max_active_seqs} sequences output throughput changed {gain:+.0f}% while {name} "
+                       f"grew {growth:+.0f}%")
+    return None
+
+
+def _saturation(rows: Sequence[LadderRow], rule: KneeRule) -> tuple[int, str] | None:
+    for i, r in enumerate(rows):
+        if r.offered_req_per_s and r.req_per_s < rule.saturation_ratio * r.offered_req_per_s:
+            return i, (f"saturated at {r.max_active_seqs}: achieved {r.req_per_s:.2f} req/s of "
+                       f"{r.offered_req_per_s:.2f} offered")
+    return None
+
+
+def _plateau(rows: Sequence[LadderRow], top: int, rule: KneeRule) -> tuple[int, str] | None:
+    """The smallest step within the plateau fraction of the best throughput up to `top`."""
+    best = max(r.output_tok_per_s for r in rows[:top + 1])
+    i = next(i for i, r in enumerate(rows[:top + 1]) if r.output_tok_per_s >= rule.plateau_fraction * best)
+    if i >= top:
+        return None
+    return i, (f"plateau from {rows[i].max_active_seqs}: {rows[i].output_tok_per_s:.0f} output tok/s is within "
+               f"{rule.plateau_fraction:.0%} of the best, {best:.0f}")
 
 
 def find_knee(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> KneeResult:
@@ -73,30 +118,34 @@ def find_knee(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> KneeRe
     if steps != sorted(set(steps)):
         raise ValueError(f"ladder steps must ascend without repeats, got {steps}")
 
-    unsafe = next(((i, v) for i, r in enumerate(rows) if (v := _violations(r, slo, rule))), None)
-    if unsafe is not None and unsafe[0] == 0:
-        return KneeResult(None, steps[0], steps[0], False,
-                          f"even the lowest step ({steps[0]}) is unsafe: {'; '.join(unsafe[1])}")
+    top, decided_by, reasons = len(rows) - 1, "ladder", []
 
-    knee_i, knee_why = _knee_index(rows, slo, rule)
-    top, reasons = len(rows) - 1, []
-    if knee_i is not None:
-        top = knee_i - 1
-        reasons.append(f"knee at {steps[knee_i]}: {knee_why}")
-    if unsafe is not None and unsafe[0] - 1 < top:
-        top = unsafe[0] - 1
-        reasons.append(f"{steps[unsafe[0]]} is unsafe: {'; '.join(unsafe[1])}")
-    elif unsafe is not None:
-        reasons.append(f"{steps[unsafe[0]]} is also unsafe: {'; '.join(unsafe[1])}")
-    if knee_i is None:
-        reasons.insert(0, "no knee within the ladder" + (
-            "; the range is the whole ladder" if unsafe is None else ""))
-    if len(rows) == 1:
-        reasons = [f"a single step ({steps[0]}): no knee can be found; the range is that step"]
-    if rule.headroom_steps:
+    def bound(found: tuple[int, str] | None, name: str, inclusive: bool = False) -> None:
+        nonlocal top, decided_by
+        if found is None:
+            return
+        i, why = found
+        reasons.append(why)
+        limit = i if inclusive else i - 1
+        if limit < top:
+            top, decided_by = limit, name
+
+    for found, name in ((_first_unsafe(rows, slo, rule), "hard limit"), (_first_unsteady(rows), "unsteady")):
+        if found is not None and found[0] == 0:
+            return KneeResult(None, steps[0], steps[0], False, f"even the lowest step ({steps[0]}) is not usable: "
+                                                               f"{found[1]}; safe range [{steps[0]}, {steps[0]}], set "
+                                                               f"by the {name} rule", name)
+    bound(_first_unsafe(rows, slo, rule), "hard limit")
+    bound(_first_unsteady(rows), "unsteady")
+    knee = _knee(rows, rule)
+    bound(knee, "knee")
+    bound(_saturation(rows, rule), "saturation")
+    bound(_plateau(rows, top, rule), "plateau", inclusive=True)
+    if knee is None:
+        reasons.insert(0, "no knee within the ladder")
+    if rule.headroom_steps and top > 0:
         lowered = max(0, top - rule.headroom_steps)
         reasons.append(f"lowered {top - lowered} step(s) for headroom")
-        top = lowered
-    reasons.append(f"safe range [{steps[0]}, {steps[top]}]")
-    knee = steps[knee_i] if knee_i is not None else None
-    return KneeResult(knee, steps[0], steps[top], True, "; ".join(reasons))
+        top, decided_by = lowered, "headroom"
+    reasons.append(f"safe range [{steps[0]}, {steps[top]}], set by the {decided_by} rule")
+    return KneeResult(steps[knee[0]] if knee else None, steps[0], steps[top], True, "; ".join(reasons), decided_by)

@@ -38,8 +38,10 @@ waits; TPOT, KV and preemptions, which the batch does drive, step down regardles
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
-from pools.control import PoolSnapshot
+from infra.stats import percentile
+from pools.control import PoolSnapshot, ReplicaStats
 from pools.types import SafeRange
 
 
@@ -87,6 +89,22 @@ class PolicyConfig:
         value, slo = {"slo_ttft": (snap.ttft_p99_s, self.ttft_slo_s),
                       "slo_tpot": (snap.tpot_p99_s, self.tpot_slo_s)}.get(code, (None, 0.0))
         return value if value is not None and value > slo else None
+
+
+def aggregate(reports: Sequence[ReplicaStats]) -> PoolSnapshot:
+    """A pool's fresh replica reports as one snapshot (P99s over all their latency samples)."""
+    if not reports:
+        return PoolSnapshot(fresh=False)
+    ttft = [x for s in reports for x in s.latency.ttft_s]
+    tpot = [x for s in reports for x in s.latency.tpot_s]
+    return PoolSnapshot(
+        fresh=True, replicas=len(reports), queued=sum(s.gate.queued for s in reports),
+        queued_tokens=sum(s.gate.queued_tokens for s in reports), active=sum(s.gate.active for s in reports),
+        rejected_total=sum(s.gate.rejected + s.gate.evicted for s in reports),
+        preemptions_total=sum(s.engine.preemptions for s in reports),
+        kv_usage=max(s.engine.kv_usage for s in reports),
+        ttft_p99_s=percentile(ttft, 99) if ttft else None, tpot_p99_s=percentile(tpot, 99) if tpot else None,
+        samples=min(len(ttft), len(tpot)) if tpot else len(ttft))
 
 
 def _forget_breach(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float) -> PolicyState:

@@ -43,7 +43,7 @@ class LadderRow(Frozen):
     max_active_seqs: int
     requests: int
     duration_s: float
-    steady: bool
+    steady: bool  # the window measured was steady (else the step hit its time cap: not evidence)
     req_per_s: float
     input_tok_per_s: float
     output_tok_per_s: float
@@ -55,21 +55,25 @@ class LadderRow(Frozen):
     preemptions: int
     errors: int
     rejections: int
+    offered_req_per_s: float | None = None  # open-loop ladders: the rate sent (achieved is req_per_s)
 
 
 class KneeRule(Frozen):
-    """Saturation begins at the first step whose marginal output-throughput gain is below
-    `min_gain_pct` while P99 TTFT grows by more than `max_p99_growth_pct`, or whose P99
-    growth exceeds `max_growth_per_gain` times its gain (a tenth more throughput for
-    double the tail is past the knee). Growth only counts once the step's P99 TTFT is above
-    `significant_slo_fraction` of the SLO: doubling a 100 ms tail under a 1 s SLO is not the
-    climb that matters. Hard limits override: any SLO broken, KV usage above
-    `kv_watermark`, or an error rate above `max_error_rate`."""
+    """How a sweep's rows become a safe range (`autoscale.knee`). Hard limits: an SLO broken, KV
+    usage above `kv_watermark`, or errors above `max_error_rate`. Saturation, judged from the
+    curve's shape whatever the SLO: the first step whose P99 TTFT grows by at least
+    `max_p99_growth_pct` (and by at least `min_p99_delta_ms`: smaller moves are noise) while its
+    output throughput gains less than `min_gain_pct`, or more than `max_growth_per_gain` times
+    its gain; on an open-loop ladder also the first step that achieves less than
+    `saturation_ratio` of the load offered. Plateau: nothing above the smallest step within
+    `plateau_fraction` of the best throughput the hard limits allow."""
 
     min_gain_pct: float = 10.0
     max_p99_growth_pct: float = 40.0
-    max_growth_per_gain: float = 4.0
-    significant_slo_fraction: float = Field(0.5, ge=0, le=1)
+    max_growth_per_gain: float = 5.0
+    min_p99_delta_ms: float = Field(20.0, ge=0)
+    saturation_ratio: float = Field(0.95, gt=0, le=1)
+    plateau_fraction: float = Field(0.95, gt=0, le=1)
     kv_watermark: float = 0.9
     max_error_rate: float = 0.01
     headroom_steps: int = Field(0, ge=0)
@@ -98,6 +102,7 @@ class Profile(Frozen):
     knee: int | None
     range: tuple[int, int]
     feasible: bool = True
+    decided_by: str = ""  # the rule that set the top of the range (autoscale.knee)
     reason: str
     cudagraph: CudaGraphCheck = CudaGraphCheck()
 

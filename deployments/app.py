@@ -19,9 +19,10 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application
 
-from autoscale.controller import ControllerService, PoolSpec
+from autoscale.ranges import PoolSpec
+from autoscale.service import ControllerService
 from deployments.config import Resolved, ResolvedPool, load, parse, resolve
-from infra.state import GcsStore
+from infra.state import DirStore, GcsStore
 from pools.config import PoolConfig
 from pools.gate import Ceilings, QueuePolicy
 from pools.kv_budget import GIB
@@ -128,15 +129,15 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
     return PoolSettings(
         name=rp.name,
         start_seqs=rp.start_seqs,
-        safe_range=rp.safe_range,
+        safe_range=rp.fallback,  # until the controller's first reply says which range the pool runs in
         ceilings=Ceilings(c.engine.max_num_seqs, rp.safe_range.max_inflight_tokens),
         queue=queue,
         report_interval_s=a.report_interval_s,
         latency_window_s=a.latency_window_s,
         stream_batching_ms=c.stream_batching_ms,
         fingerprint_base=fingerprint_base(resolved, c),
-        profile_fingerprint=rp.profile.fingerprint if rp.profile else None,
         nice=c.replicas.nice,
+        hardware=c.calibration.hardware,
     )
 
 
@@ -158,15 +159,24 @@ def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | N
         llm_config=config, settings=pool_settings(resolved, rp), controller=controller)
 
 
+def pool_spec(rp: ResolvedPool) -> PoolSpec:
+    c = rp.config
+    return PoolSpec(rp.name, rp.safe_range, c.slo.ttft_p99_ms / 1e3, c.slo.tpot_p99_ms / 1e3, c.engine.max_num_seqs,
+                    fallback=rp.fallback, profile=rp.profile, calibration=c.calibration, sweep=rp.sweep,
+                    deployment=pool_deployment_name(rp.name))
+
+
+def profile_store(resolved: Resolved):
+    """Where calibrated profiles are kept: the config's folder, else Ray's GCS key-value store."""
+    return DirStore(resolved.profiles_dir) if resolved.profiles_dir else GcsStore(STATE_NAMESPACE)
+
+
 def build_controller(resolved: Resolved) -> Application:
-    specs = {
-        name: PoolSpec(name, rp.safe_range, rp.config.slo.ttft_p99_ms / 1e3, rp.config.slo.tpot_p99_ms / 1e3,
-                       rp.config.engine.max_num_seqs)
-        for name, rp in resolved.pools.items()
-    }
+    specs = {name: pool_spec(rp) for name, rp in resolved.pools.items()}
     return serve.deployment(ControllerService, name=CONTROLLER, num_replicas=1, max_ongoing_requests=10_000,
                             ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
-        specs, resolved.config.autoscale, GcsStore(STATE_NAMESPACE))
+        specs, resolved.config.autoscale, resolved.config.model.max_model_len, GcsStore(STATE_NAMESPACE),
+        profile_store(resolved))
 
 
 def build_ledger(resolved: Resolved) -> Application:

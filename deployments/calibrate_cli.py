@@ -3,7 +3,8 @@
 The stack must be running (`make serve`). For each step the pool is pinned through the
 admin API (calibration mode: any step up to the engine's max_num_seqs; the autoscaler and
 borrowing leave a calibrating pool alone), a closed loop of exactly that many streams
-runs with trace-shaped lengths until output throughput is steady (or a time cap), and KV
+runs with the pool's traffic shape (`calibration.lengths` and `.stream`: trace-shaped chat, or
+batch work of fixed lengths sent whole) until output throughput is steady (or a time cap), and KV
 usage and preemptions are sampled from the replicas' reports. Then the knee finder picks
 the safe range, and the profile YAML, a PNG and a markdown table are written.
 """
@@ -119,16 +120,18 @@ def _cmd_calibrate(args) -> int:
     if ladder != sorted(set(ladder)) or ladder[-1] > rp.config.engine.max_num_seqs:
         raise SystemExit(f"--ladder {args.ladder}: ascending steps up to max_num_seqs "
                          f"{rp.config.engine.max_num_seqs}")
-    if args.lengths == "trace":
+    shape = args.lengths or rp.config.calibration.lengths  # the pool's own traffic shape unless told
+    stream = rp.config.calibration.stream if args.stream is None else args.stream
+    if shape == "trace":
         lengths = trace_lengths(cfg.model.max_model_len)
     else:
-        p, o = (int(x) for x in args.lengths.split("/"))
+        p, o = (int(x) for x in shape.split("/"))
         lengths = synthetic_lengths(p, o)
     slo = SLOSpec(ttft_p99_ms=rp.config.slo.ttft_p99_ms, tpot_p99_ms=rp.config.slo.tpot_p99_ms)
     rule = _rule(args)
     described = admin.describe(args.pool)
     prefix = rp.config.route_prefix
-    target = Target(f"{url}{prefix}/v1", key, model=cfg.model.id)
+    target = Target(f"{url}{prefix}/v1", key, model=cfg.model.id, stream=stream)
     print(f"calibrating pool {args.pool} at {url}{prefix} on {described.fingerprint['hardware']}, "
           f"ladder {ladder}, lengths {lengths.source}", flush=True)
     try:
@@ -138,7 +141,8 @@ def _cmd_calibrate(args) -> int:
     finally:
         admin.unpin(args.pool)
     stats = lengths.stats()
-    traffic = TrafficSpec(source=lengths.source, scale=lengths.scale, seed=args.seed, **stats)
+    traffic = TrafficSpec(source=f"{lengths.source}, {'streamed' if stream else 'whole responses'}",
+                          scale=lengths.scale, seed=args.seed, **stats)
     profile = build_profile(args.pool, rows, Fingerprint(**described.fingerprint), slo, traffic, rule,
                             described.cudagraph_capture_sizes, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write(profile, Path(args.out))
@@ -153,7 +157,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="the running router (default: the config's host and port)")
     p.add_argument("--key", help="a tenant key allowed on the pool (or POOLSERVE_KEY)")
     p.add_argument("--admin-key", help="the admin key (or POOLSERVE_ADMIN_KEY)")
-    p.add_argument("--lengths", default="trace", help="'trace' (Azure 2023, scaled) or PROMPT/OUTPUT tokens")
+    p.add_argument("--lengths", help="'trace' (Azure 2023, scaled) or PROMPT/OUTPUT tokens (default: the pool's "
+                                     "calibration.lengths)")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="streamed requests or whole responses (default: the pool's calibration.stream)")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of warm-up per step")
     p.add_argument("--check", type=float, default=5.0, help="seconds per steadiness check")
     p.add_argument("--min-measure", type=float, default=15.0, help="seconds measured at least")

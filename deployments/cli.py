@@ -103,6 +103,8 @@ def _cmd_serve(args) -> int:
     print(f"\npoolserve is up at {base}")
     for name, rp in resolved.pools.items():
         print(f"  pool {name:<14} {base}{rp.config.route_prefix}/v1/chat/completions  (and /completions)")
+    for line in _profile_lines():
+        print(line)
     print(f"  default pool      {base}/v1/chat/completions")
     print(f"  models / health   {base}/v1/models  {base}/healthz")
     print(f"  admin             {base}/admin/pools  (Authorization: Bearer <admin key>)")
@@ -118,6 +120,30 @@ def _cmd_serve(args) -> int:
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def _profile_lines(wait_s: float = 30.0) -> list[str]:
+    """Which safe range each pool runs in and where it comes from, once every pool has reported."""
+    import time
+
+    from ray import serve
+
+    from deployments.app import CONTROLLER
+
+    controller = serve.get_deployment_handle(CONTROLLER, APP_NAME)
+    deadline = time.monotonic() + wait_s
+    while True:
+        status = controller.status.remote().result()
+        if all(s.calibration.state != "unknown" for s in status.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    out = []
+    for name, s in status.items():
+        cal = s.calibration
+        what = {"calibrating": "calibrating in the background", "profile": "calibrated"}.get(cal.state, cal.state)
+        out.append(f"  safe range {name:<9} {list(s.safe_range)}: {what}: {cal.source}" +
+                   (f"; {cal.detail}" if cal.state != "profile" and cal.detail else ""))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

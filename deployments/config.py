@@ -40,6 +40,15 @@ class RayConfig(Frozen):
                                     "ordinary process on the host; a pool's `replicas.nice` counts from this.")
 
 
+class ProfilesConfig(Frozen):
+    """Where calibrated profiles are kept, one per fingerprint of a pool's set-up."""
+
+    dir: str | None = Field(
+        None, description="A folder (relative to the config file), which outlives the cluster: the project's "
+                          "cache on one machine, a volume on Kubernetes. Unset: Ray's GCS key-value store (kept "
+                          "across head restarts where KubeRay's GCS fault tolerance is on).")
+
+
 class PoolserveConfig(Frozen):
     model: ModelConfig
     router: RouterConfig = RouterConfig()
@@ -47,6 +56,7 @@ class PoolserveConfig(Frozen):
     pools: dict[str, PoolConfig] = Field(min_length=1)
     tenants: tuple[TenantConfig, ...] = Field(min_length=1)
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    profiles: ProfilesConfig = ProfilesConfig()
 
     @field_validator("pools")
     @classmethod
@@ -89,6 +99,8 @@ class ResolvedPool:
     start_seqs: int
     profile: Profile | None
     kv_capacity_tokens: int | None
+    fallback: SafeRange  # where a pool with no profile for its set-up runs: the ladder up to `start`
+    sweep: tuple[int, ...] = ()  # the ladder a calibration of this pool steps through
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class Resolved:
     model_source: str
     pools: dict[str, ResolvedPool]
     warnings: tuple[str, ...] = ()
+    profiles_dir: Path | None = None  # where calibrated profiles are kept (None: Ray's GCS key-value store)
 
 
 # -- loading ------------------------------------------------------------------------
@@ -230,16 +243,23 @@ def _pool_range(c: PoolserveConfig, name: str, p: PoolConfig, base: Path, kv: KV
     else:
         ladder, (low, high) = p.limits.ladder, p.limits.range
     start = p.limits.start or low
-    if not low <= start <= high or start not in ladder:
-        problems.append(Problem(f"{key}.start", start, f"not a ladder step inside the safe range [{low}, {high}] "
-                                                      f"(ladder {list(ladder)})", "pick a step inside the range"))
+    if start not in ladder or start > p.engine.max_num_seqs or (p.limits.range is not None and start > high):
+        problems.append(Problem(f"{key}.start", start, f"not a ladder step of at most engine.max_num_seqs "
+                                                      f"{p.engine.max_num_seqs}" + (
+                                                          f" inside the range [{low}, {high}]" if p.limits.range
+                                                          else "") + f" (ladder {list(ladder)})",
+                                "pick one of those steps"))
         return None
     tokens_per_seq = p.limits.tokens_per_seq or p.traffic.p99_tokens
     cap = kv.capacity_tokens if kv is not None else high * c.model.max_model_len
     seq_cap = p.engine.max_num_seqs * c.model.max_model_len
-    safe = SafeRange(tuple(ladder), low, high, tokens_per_seq, max(c.model.max_model_len, min(cap, seq_cap)))
+    max_inflight = max(c.model.max_model_len, min(cap, seq_cap))
+    safe = SafeRange(tuple(ladder), low, high, tokens_per_seq, max_inflight)
+    fits = kv.max_sequences(p.traffic.p99_tokens) if kv is not None else p.engine.max_num_seqs
+    usable = [x for x in ladder if low <= x <= min(start, fits)] or [low]
+    fallback = SafeRange(tuple(ladder), low, usable[-1], tokens_per_seq, max_inflight)
+    sweep = tuple(x for x in (p.calibration.ladder or ladder) if x <= min(p.engine.max_num_seqs, fits))
     if kv is not None:
-        fits = kv.max_sequences(p.traffic.p99_tokens)
         if fits < high:
             problems.append(Problem(
                 f"pools.{name}.engine.kv_cache_gb", p.engine.kv_cache_gb,
@@ -247,7 +267,7 @@ def _pool_range(c: PoolserveConfig, name: str, p: PoolConfig, base: Path, kv: KV
                 f"({kv.shape.bytes_per_token} bytes/token, {kv.capacity_tokens} tokens), fewer than the "
                 f"range top {high}", f"raise kv_cache_gb or keep the range top at {fits} or below"))
             return None
-    return ResolvedPool(name, p, safe, start, profile, kv.capacity_tokens if kv else None)
+    return ResolvedPool(name, p, safe, start, profile, kv.capacity_tokens if kv else None, fallback, sweep)
 
 
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
@@ -276,4 +296,5 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
         warnings.append("router.admin_key_sha256 is not set: the admin API is disabled")
     if problems:
         raise ConfigError(source, problems)
-    return Resolved(config, base_dir, model_source, pools, tuple(warnings))
+    profiles_dir = _path(base_dir, config.profiles.dir) if config.profiles.dir else None
+    return Resolved(config, base_dir, model_source, pools, tuple(warnings), profiles_dir)

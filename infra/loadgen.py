@@ -211,13 +211,14 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
                                   check_s: float, min_s: float, cap_s: float, tolerance: float = 0.1,
                                   seed: int = 0) -> "Run":
     """A closed loop that runs past its warm-up until output throughput is steady: the last
-    two `check_s` chunks within `tolerance` of each other, at least `min_s` measured, and at
-    most `cap_s` (then `Run.steady` is False)."""
+    max(2, min_s / check_s) chunks of `check_s` each within `tolerance` of their mean. The run
+    reports those steady chunks only, not the time before them. At most `cap_s` after the
+    warm-up; then `Run.steady` is False and the whole time after the warm-up is reported."""
     rng = random.Random(seed)
     results: list[Result] = []
     stop = asyncio.Event()
-    t0 = time.monotonic()
-    start = t0 + warmup_s
+    start = time.monotonic() + warmup_s
+    needed = max(2, round(min_s / check_s))
 
     async def worker(client):
         while not stop.is_set():
@@ -227,24 +228,26 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
     def rate(a: float, b: float) -> float:
         return sum(r.output_tokens for r in results if r.ok and r.e2e and a <= r.start + r.e2e < b) / (b - a)
 
-    steady = False
     async with _client(concurrency) as client:
         with LoopLag() as lag:
             workers = [asyncio.get_running_loop().create_task(worker(client)) for _ in range(concurrency)]
             await asyncio.sleep(warmup_s)
-            chunks: list[float] = []
-            while time.monotonic() - start < cap_s:
+            window, steady = (start, start), False
+            while not steady and time.monotonic() - start < cap_s:
                 await asyncio.sleep(check_s)
                 now = time.monotonic()
-                chunks.append(rate(now - check_s, now))
-                if now - start >= min_s and len(chunks) >= 2 and chunks[-2] > 0 \
-                        and abs(chunks[-1] - chunks[-2]) / chunks[-2] <= tolerance:
-                    steady = True
-                    break
-            end = time.monotonic()
+                edges = [now - k * check_s for k in range(needed, -1, -1)]
+                if edges[0] < start:
+                    continue
+                chunks = [rate(a, b) for a, b in zip(edges, edges[1:])]
+                mean = sum(chunks) / len(chunks)
+                steady = mean > 0 and all(abs(c - mean) <= tolerance * mean for c in chunks)
+                window = (edges[0], now)
+            if not steady:
+                window = (start, time.monotonic())
             stop.set()
             await asyncio.gather(*workers)
-    run = Run(results, start, end - start, lag.summary(), "closed", concurrency)
+    run = Run(results, window[0], window[1] - window[0], lag.summary(), "closed", concurrency)
     run.steady = steady
     return run
 

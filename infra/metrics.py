@@ -75,7 +75,6 @@ class PoolMetrics:
                 ("limit_tokens", "Runtime limit on in-flight tokens"),
                 ("range_low", "Bottom of the safe range"),
                 ("range_high", "Top of the safe range"),
-                ("profile_stale", "1 when the calibration profile does not match this engine"),
                 ("kv_usage", "vLLM KV cache usage (0-1)"),
                 ("engine_running", "vLLM running requests"),
                 ("engine_waiting", "vLLM waiting requests"),
@@ -95,7 +94,7 @@ class PoolMetrics:
             "cancelled": m.Counter(NAMES["cancelled"], "Requests cancelled (client gone)", k),
         }
 
-    def state(self, gate: "GateStats", engine: "EngineStats", allowed: "SafeRange", stale: bool) -> None:
+    def state(self, gate: "GateStats", engine: "EngineStats", allowed: "SafeRange") -> None:
         g, t = self._g, self._tags
         for prio, n in gate.queued_by_class.items():
             g["queue_depth"].set(n, {**t, "priority": prio})
@@ -103,7 +102,7 @@ class PoolMetrics:
             ("queued_tokens", gate.queued_tokens), ("active_seqs", gate.active),
             ("inflight_tokens", gate.inflight_tokens), ("limit_seqs", gate.limits.max_active_seqs),
             ("limit_tokens", gate.limits.max_inflight_tokens), ("range_low", allowed.low),
-            ("range_high", allowed.high), ("profile_stale", int(stale)), ("kv_usage", engine.kv_usage),
+            ("range_high", allowed.high), ("kv_usage", engine.kv_usage),
             ("engine_running", engine.running), ("engine_waiting", engine.waiting),
         ):
             g[key].set(value, t)
@@ -187,8 +186,13 @@ class ControllerMetrics:
             "decisions": m.Counter(NAMES["decisions"], "Autoscaler decisions",
                                    ("pool", "action", "reason")),
             "target_seqs": m.Gauge(NAMES["target_seqs"], "Autoscaler target max_active_seqs", ("pool",)),
+            "profile_stale": m.Gauge(NAMES["profile_stale"], "1 while a pool runs without a profile measured on its "
+                                                             "set-up (calibrating, fallback, strict, failed)", ("pool",)),
         }
 
     def decision(self, pool: str, action: str, code: str, target: int) -> None:
         self._m["decisions"].inc(1, {"pool": pool, "action": action, "reason": code})
         self._m["target_seqs"].set(target, {"pool": pool})
+
+    def calibration(self, pool: str, measured: bool) -> None:
+        self._m["profile_stale"].set(0 if measured else 1, {"pool": pool})

@@ -119,6 +119,42 @@ class LimitsConfig(Frozen):
         return self
 
 
+class CalibrationConfig(Frozen):
+    """What a pool with a profile does when it starts on a set-up (model, dtype, context, hardware,
+    vLLM, ceilings) that no profile in its store or config was measured on."""
+
+    mode: Literal["auto", "fallback", "strict"] = Field(
+        "auto", description="auto: serve at the fallback range (the configured range's steps up to "
+                            "`limits.start`, bounded by the KV budget) and calibrate in the background, then move "
+                            "inside the measured range; fallback: the fallback range and no sweep (a pool "
+                            "configured with `limits.range` keeps that range); strict: the bottom of the "
+                            "configured range.")
+    ladder: tuple[int, ...] | None = Field(
+        None, description="Steps of the sweep (default: the profile's ladder, up to engine.max_num_seqs).")
+    lengths: str = Field("trace", pattern=r"^(trace|[1-9][0-9]*/[1-9][0-9]*)$",
+                         description="Request lengths of the sweep: 'trace' (the Azure 2023 chat trace scaled to "
+                                     "max_model_len) or PROMPT/OUTPUT tokens, e.g. '200/128' for batch work.")
+    stream: bool = Field(True, description="Streamed requests (chat) or whole responses (batch work).")
+    warmup_s: float = Field(1.0, ge=0, description="Unmeasured seconds at each step.")
+    check_s: float = Field(1.5, gt=0, description="A step is steady when the engines' output rate over chunks this "
+                                                  "long holds within 10%.")
+    min_measure_s: float = Field(4.5, gt=0, description="Seconds measured at each step, at least.")
+    cap_s: float = Field(15.0, gt=0, description="Seconds measured at most; a step not steady by then is not used.")
+    quiet_s: float = Field(3.0, ge=0, description="A step starts only after the pool has had no traffic of its "
+                                                  "own for this long; traffic that arrives stops the step, which "
+                                                  "is measured again later.")
+    hardware: str | None = Field(
+        None, description="Use this as the hardware part of the fingerprint instead of the detected accelerator "
+                          "(identical machines that share profiles; or a new value to force a recalibration).")
+
+    @field_validator("ladder")
+    @classmethod
+    def _ladder_sorted(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or any(x < 1 for x in v) or list(v) != sorted(set(v))):
+            raise ValueError(f"{list(v)} must be distinct positive integers in ascending order")
+        return v
+
+
 class SLOConfig(Frozen):
     ttft_p99_ms: float = Field(gt=0, description="P99 time to first token the pool must keep.")
     tpot_p99_ms: float = Field(gt=0, description="P99 time per output token.")
@@ -167,6 +203,7 @@ class PoolConfig(Frozen):
     queue: QueueConfig = Field(description="See below.")
     traffic: TrafficSample = Field(description="See below.")
     borrow: BorrowConfig | None = Field(None, description="Let this pool's work use another pool while it is idle.")
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="See below.")
     stream_batching_ms: float = Field(
         10.0, ge=0, description="Ray Serve LLM's stream chunk batching interval; adds up to this to TTFT.")
 

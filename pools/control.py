@@ -33,10 +33,8 @@ class ReplicaStats:
     engine: EngineStats
     latency: LatencySample
     safe_range: SafeRange
-    profile_stale: bool = False
-    stale_reason: str = ""
     applied_epoch: int = 0  # the epoch of the last directive this replica applied
-    fingerprint: dict[str, str] = field(default_factory=dict)
+    fingerprint: dict[str, str | int | float] = field(default_factory=dict)  # empty until the engine runs
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,6 @@ class ReplicaStatus(Frozen):
     cancelled: int
     completed: int
     engine: EngineJson
-    profile_stale: bool
 
     @property
     def queued(self) -> int:
@@ -113,8 +110,7 @@ class ReplicaStatus(Frozen):
             admitted=g.admitted, rejected=g.rejected, evicted=g.evicted, cancelled=g.cancelled,
             completed=g.completed,
             engine=EngineJson(running=e.running, waiting=e.waiting, kv_usage=e.kv_usage, preemptions=e.preemptions,
-                              generated_tokens=e.generated_tokens),
-            profile_stale=s.profile_stale)
+                              generated_tokens=e.generated_tokens))
 
 
 class SloJson(Frozen):
@@ -139,6 +135,21 @@ class PoolSnapshot(Frozen):
     samples: int = 0
 
 
+class CalibrationJson(Frozen):
+    """Where a pool's safe range comes from."""
+
+    state: str = Field(description="manual (a configured range) | profile (measured on this set-up) | calibrating "
+                                   "(a sweep runs in the background; the fallback range meanwhile) | fallback | "
+                                   "strict (no profile for this set-up) | failed (the sweep failed; fallback) | "
+                                   "unknown (no replica has reported yet)")
+    source: str = ""
+    detail: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.state in ("manual", "profile")
+
+
 class PoolStatus(Frozen):
     """One pool as the controller sees it (`GET /admin/pools`)."""
 
@@ -150,7 +161,7 @@ class PoolStatus(Frozen):
     safe_range: tuple[int, int]
     ladder: tuple[int, ...]
     slo: SloJson
-    profile_stale: str
+    calibration: CalibrationJson
     lending: bool
     snapshot: PoolSnapshot
     replicas: tuple[ReplicaStatus, ...]
@@ -185,7 +196,6 @@ class Describe(Frozen):
     kv_capacity_tokens: int | None
     block_size: int | None
     cudagraph_capture_sizes: tuple[int, ...]
-    profile_stale: str
     nice: NiceJson
 
 

@@ -162,7 +162,8 @@ class AdmissionGate:
         self._queued: dict[int, Ticket] = {}
         self._active_seqs = 0
         self._inflight_tokens = 0
-        self._borrowed_seqs = 0  # active borrowed sequences and their tokens
+        self._borrowed_seqs = 0  # active borrowed requests, their sequences and their tokens
+        self._borrowed_requests = 0
         self._borrowed_tokens = 0
         self._queued_tokens = 0
         self._ids = itertools.count(1)
@@ -228,6 +229,7 @@ class AdmissionGate:
         self._active_seqs -= t.seqs
         self._inflight_tokens -= t.cost
         if t.priority == PriorityClass.BORROWED:
+            self._borrowed_requests -= 1
             self._borrowed_seqs -= t.seqs
             self._borrowed_tokens -= t.cost
         self._counts["completed"] += 1
@@ -259,6 +261,7 @@ class AdmissionGate:
             self._active_seqs += t.seqs
             self._inflight_tokens += t.cost
             if t.priority == PriorityClass.BORROWED:
+                self._borrowed_requests += 1
                 self._borrowed_seqs += t.seqs
                 self._borrowed_tokens += t.cost
             self._peak = max(self._peak, self._active_seqs)
@@ -371,6 +374,7 @@ class AdmissionGate:
         return GateStats(
             active=self._active_seqs,
             active_requests=len(self._active),
+            borrowed_requests=self._borrowed_requests,
             inflight_tokens=self._inflight_tokens,
             queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
             queued_tokens=self._queued_tokens,

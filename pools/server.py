@@ -58,9 +58,9 @@ class PoolSettings:
     latency_window_s: float
     stream_batching_ms: float
     fingerprint_base: dict[str, Any]  # model, dtype, quantization, max_model_len, ceilings
-    profile_fingerprint: Fingerprint | None = None  # None: uncalibrated (manual range)
     warmup_requests: int = 8
     nice: int = 0  # Linux nice of the engine processes (pools.nice)
+    hardware: str | None = None  # the fingerprint's hardware, when the config overrides what is detected
 
 
 def _replica_name() -> str:
@@ -140,12 +140,6 @@ class PoolServer:
         started = time.monotonic()
         await engine.warm_up(settings.warmup_requests)
         log.info("pool %s: warmed up in %.1fs", settings.name, time.monotonic() - started)
-        self._stale_reason = self._check_profile()
-        if self._stale_reason:
-            low = settings.safe_range.clamp_to_low()
-            self._gate.set_limits(low.limits_for(low.low), low)
-            log.warning("pool %s: calibration profile is stale (%s); running at the bottom of its range, %d",
-                        settings.name, self._stale_reason, low.low)
         if controller is not None:
             self._loops.start("report to the controller", self._report, settings.report_interval_s)
 
@@ -240,16 +234,14 @@ class PoolServer:
             engine=box.snapshot() if box else EngineStats(),
             latency=box.latency(self._settings.latency_window_s) if box else LatencySample(),
             safe_range=self._gate.gate.allowed,
-            profile_stale=bool(self._stale_reason),
-            stale_reason=self._stale_reason,
             applied_epoch=self._applied_epoch,
             fingerprint=self.fingerprint().model_dump(mode="json") if self._engine.facts() else {},
         )
 
     def fingerprint(self) -> Fingerprint:
         facts = self._engine.facts()
-        return Fingerprint(**self._settings.fingerprint_base,
-                           hardware=facts.hardware if facts else hardware_name(),
+        detected = facts.hardware if facts else hardware_name()
+        return Fingerprint(**self._settings.fingerprint_base, hardware=self._settings.hardware or detected,
                            vllm_version=facts.vllm_version if facts else "unknown")
 
     async def describe(self) -> Describe:
@@ -260,18 +252,11 @@ class PoolServer:
                         kv_capacity_tokens=facts.kv_capacity_tokens if facts else None,
                         block_size=facts.block_size if facts else None,
                         cudagraph_capture_sizes=facts.cudagraph_capture_sizes if facts else (),
-                        profile_stale=self._stale_reason,
                         nice=NiceJson(replica=nice.niceness(os.getpid()),
                                       engines=tuple(nice.niceness(p) for p in self._engine_pids)))
 
     async def check_health(self) -> None:
         await self._engine.check_health()
-
-    def _check_profile(self) -> str:
-        expected = self._settings.profile_fingerprint
-        if expected is None:
-            return ""
-        return "; ".join(expected.differences(self.fingerprint()))
 
     def _apply(self, directive: LimitsDirective) -> None:
         if directive.limits != self._gate.gate.limits or directive.allowed != self._gate.gate.allowed:
@@ -282,6 +267,6 @@ class PoolServer:
 
     async def _report(self) -> None:
         stats = await self.stats()
-        self._metrics.state(stats.gate, stats.engine, stats.safe_range, stats.profile_stale)
+        self._metrics.state(stats.gate, stats.engine, stats.safe_range)
         timeout = max(2.0, self._settings.report_interval_s * 2)
         self._apply(await asyncio.wait_for(self._controller.report.remote(stats), timeout))

@@ -198,6 +198,13 @@ class GateStats:
     completed: int
     peak_active: int = 0  # most sequences active at once since the limits last changed
     active_requests: int = 0
+    borrowed_requests: int = 0  # of the active requests, those of another pool (or a calibration sweep)
+
+    @property
+    def own_work(self) -> int:
+        """Requests of the pool's own traffic, running or waiting."""
+        return (self.active_requests - self.borrowed_requests
+                + sum(n for cls, n in self.queued_by_class.items() if cls != "borrowed"))
 
     @property
     def queued(self) -> int:

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.integration
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that kill replicas run after every other test of the session."""
-    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
+    """Tests on a Ray of their own run first, before the session's stack starts; tests that kill
+    replicas run after every other test of the session."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("own_cluster") else
+               2 if item.get_closest_marker("disruptive") else 1)
 
 
 def wait_for(condition, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):

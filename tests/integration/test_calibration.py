@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,40 @@ def test_short_sweep_writes_a_valid_profile(stack, tmp_path):
     assert "Safe range" in (tmp_path / "online-chat.md").read_text()
     # the pool is released after the sweep
     assert stack.pools()["online-chat"]["target_max_active_seqs"] in (2, 4, 8, 16)
+
+
+def test_calibrate_runs_from_an_installed_package(stack, tmp_path):
+    """`pip install` of the package into a fresh virtualenv outside the repository (its
+    dependencies borrowed from the project's environment), then `poolserve calibrate` from
+    another folder: the trace it replays is package data, and nothing comes from bench/."""
+    import site
+    import sysconfig
+
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO)],
+                   check=True, capture_output=True, timeout=300)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip()
+    deps = site.getsitepackages()[0] if site.getsitepackages() else sysconfig.get_paths()["purelib"]
+    (Path(purelib) / "borrowed_dependencies.pth").write_text(deps + "\n")  # no .pth of that folder is run
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--no-deps", "-q", *map(str, wheels.glob("*.whl"))],
+                   check=True, capture_output=True, timeout=300)
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    run = subprocess.run(
+        [str(venv / "bin" / "poolserve"), "calibrate", "--config", str(CONFIG), "--pool", "online-chat",
+         "--ladder", "1,2", "--key", KEYS["chat"], "--admin-key", ADMIN, "--lengths", "trace",
+         "--warmup", "1", "--check", "2", "--min-measure", "4", "--cap", "8", "--out", str(where / "out")],
+        cwd=where, capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    imported = subprocess.run([str(venv / "bin" / "python"), "-c", "import infra.traffic, sys; "
+                               "print(infra.traffic.__file__); print('bench' in sys.modules)"],
+                              cwd=where, capture_output=True, text=True, check=True).stdout.split()
+    assert imported[0].startswith(str(venv)) and imported[1] == "False"  # the installed copy, not the repository's
+    profile = load_profile(where / "out" / "online-chat.yaml")
+    assert profile.ladder == (1, 2) and "azure_llm_2023_conv.csv" in profile.traffic.source
 
 
 def test_loadgen_agrees_with_vllm_bench_serve(stack):

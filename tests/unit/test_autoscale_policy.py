@@ -198,13 +198,12 @@ class Clock:
         return self.t
 
 
-def stats(pool="p", replica="r1", seqs=8, queued=0, ttft=(0.1,) * 20, tpot=(0.01,) * 20, stale=False):
+def stats(pool="p", replica="r1", seqs=8, queued=0, ttft=(0.1,) * 20, tpot=(0.01,) * 20, fingerprint=None):
     gate = GateStats(active=seqs, inflight_tokens=0, queued_by_class={"batch": queued}, queued_tokens=queued * 100,
                      oldest_wait_s=0, limits=RANGE.limits_for(seqs), admitted=0, rejected=0, cancelled=0,
                      evicted=0, completed=0)
     return ReplicaStats(pool=pool, replica=replica, time=0, gate=gate, engine=EngineStats(),
-                        latency=LatencySample(ttft, tpot), safe_range=RANGE, profile_stale=stale,
-                        stale_reason="hardware differs" if stale else "")
+                        latency=LatencySample(ttft, tpot), safe_range=RANGE, fingerprint=fingerprint or {})
 
 
 def controller(**config) -> tuple[Controller, Clock]:
@@ -290,17 +289,6 @@ def test_dry_run_decides_but_never_applies():
     wanted = [d for d in c.decisions() if d.action == "up"]
     assert wanted and not any(d.applied for d in wanted)
     assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 4
-
-
-def test_stale_profile_pins_the_pool_to_its_bottom_step():
-    c, clock = controller()
-    d = c.report(stats(seqs=8, stale=True))
-    assert d.allowed.high == d.allowed.low == 2
-    for _ in range(5):
-        clock.t += 5
-        c.report(stats(seqs=2, queued=50, stale=True))
-        c.tick()
-    assert c.target("p") == 2 and "hardware differs" in c.stale_reason("p")
 
 
 def test_lending_switch_shows_in_views():

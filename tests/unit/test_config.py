@@ -88,7 +88,7 @@ BAD = [
     ("pools.online-chat.engine.max_num_seqs", 0, "pools.online-chat.engine.max_num_seqs", "greater than"),
     ("pools.online-chat.engine.max_num_seqs", 8, "pools.online-chat.limits.range", "above engine.max_num_seqs"),
     ("pools.online-chat.limits.range", [3, 8], "pools.online-chat.limits", "two ladder steps"),
-    ("pools.online-chat.limits.start", 32, "pools.online-chat.limits.start", "inside the safe range"),
+    ("pools.online-chat.limits.start", 32, "pools.online-chat.limits.start", "inside the range [2, 16]"),
     ("pools.online-chat.limits.range", DELETE, "pools.online-chat.limits", "either `profile`"),
     ("pools.online-chat.limits.profile", "nope.yaml", "pools.online-chat.limits.profile", "cannot load"),
     ("pools.online-chat.queue.max_queued", 0, "pools.online-chat.queue.max_queued", "greater than"),

@@ -13,13 +13,14 @@ SLO = SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100)
 RULE = KneeRule()
 
 
-def row(seqs, tok_s, ttft_p99, tpot_p99=20.0, kv=0.1, errors=0, requests=200) -> LadderRow:
-    return LadderRow(max_active_seqs=seqs, requests=requests, duration_s=30, steady=True, req_per_s=requests / 30,
+def row(seqs, tok_s, ttft_p99, tpot_p99=20.0, kv=0.1, errors=0, requests=200, steady=True, offered=None,
+        e2e_p99=3.0) -> LadderRow:
+    return LadderRow(max_active_seqs=seqs, requests=requests, duration_s=30, steady=steady, req_per_s=requests / 30,
                      input_tok_per_s=tok_s * 4, output_tok_per_s=tok_s, goodput_req_per_s=requests / 30,
                      ttft_ms=Percentiles(p50=ttft_p99 / 2, p95=ttft_p99 * 0.9, p99=ttft_p99),
                      tpot_ms=Percentiles(p50=tpot_p99 / 2, p95=tpot_p99 * 0.9, p99=tpot_p99),
-                     e2e_ms=Percentiles(p50=1, p95=2, p99=3), kv_usage_max=kv, preemptions=0, errors=errors,
-                     rejections=0)
+                     e2e_ms=Percentiles(p50=e2e_p99 / 2, p95=e2e_p99 * 0.9, p99=e2e_p99), kv_usage_max=kv,
+                     preemptions=0, errors=errors, rejections=0, offered_req_per_s=offered)
 
 
 def ladder(*points) -> list[LadderRow]:
@@ -27,53 +28,63 @@ def ladder(*points) -> list[LadderRow]:
 
 
 CASES = [
-    ("clean knee",  # +4% throughput for +40%+ P99 at 32: knee at 32, range up to 16
+    # (name, rows, knee, range, feasible, decided by, fragment of the reason)
+    ("clean knee",  # +3% throughput for +50% P99 at 32: knee at 32, range up to 16
      ladder((4, 1000, 500), (8, 1900, 550), (16, 3400, 600), (32, 3500, 900), (64, 3520, 2500)),
-     32, (4, 16), True, "knee at 32"),
+     32, (4, 16), True, "knee", "knee at 32"),
     ("noisy plateau",  # small ups and downs of throughput while the tail climbs
      ladder((1, 300, 300), (2, 580, 320), (4, 1100, 350), (8, 1130, 560), (16, 1110, 700), (32, 1150, 950)),
-     8, (1, 4), True, "knee at 8"),
-    ("tenth more throughput for a multiplied tail",  # gain 10% >= g but growth 200% > 4 x gain
+     8, (1, 4), True, "knee", "knee at 8"),
+    ("tenth more throughput for a multiplied tail",  # gain 10% >= the 10% floor, but growth 200% > 4 x gain
      ladder((4, 1000, 200), (8, 1800, 240), (16, 1980, 720)),
-     16, (4, 8), True, "knee at 16"),
-    ("growth far below the SLO does not count",  # 100 -> 250 ms is +150%, but under half the 1 s SLO
+     16, (4, 8), True, "knee", "knee at 16"),
+    ("growth far below the SLO still counts",  # +150% tail for +26% throughput is saturating, SLO or not
      ladder((1, 300, 60), (2, 560, 100), (4, 700, 250), (8, 800, 400)),
-     None, (1, 8), True, "no knee within the ladder"),
+     4, (1, 2), True, "knee", "knee at 4"),
+    ("tail moves below the noise floor",  # +60% of a 20 ms tail is 12 ms: noise
+     ladder((1, 300, 20), (2, 310, 32), (4, 600, 40)),
+     None, (1, 4), True, "ladder", "no knee within the ladder"),
     ("SLO hit before the knee",
      ladder((4, 1000, 300), (8, 1900, 400), (16, 3400, 1200), (32, 3500, 2000)),
-     32, (4, 8), True, "16 is unsafe: P99 TTFT 1200 ms > SLO 1000 ms"),
+     32, (4, 8), True, "hard limit", "16 is unsafe: P99 TTFT 1200 ms > SLO 1000 ms"),
     ("TPOT SLO hit",
      ladder((4, 1000, 100, 40), (8, 1900, 110, 80), (16, 3400, 130, 140)),
-     None, (4, 8), True, "P99 TPOT 140.0 ms > SLO 100.0 ms"),
+     None, (4, 8), True, "hard limit", "P99 TPOT 140.0 ms > SLO 100.0 ms"),
     ("KV watermark hit first",
      ladder((4, 1000, 500, 20, 0.3), (8, 1900, 520, 20, 0.6), (16, 3400, 540, 20, 0.95), (32, 3500, 900, 20, 1.0)),
-     32, (4, 8), True, "KV usage 95% > watermark 90%"),
+     32, (4, 8), True, "hard limit", "KV usage 95% > watermark 90%"),
     ("errors",
      ladder((4, 1000, 100), (8, 1900, 110, 20, 0.1, 50)),
-     None, (4, 4), True, "error rate"),
+     None, (4, 4), True, "hard limit", "error rate"),
+    ("an unsteady step is not evidence",
+     ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60, 20, 0.1, 0, 200, False), (8, 2100, 70)),
+     None, (1, 2), True, "unsteady", "4 never measured steady"),
+    ("a flat curve ends at its plateau",  # the tail creeps, throughput stops growing: no knee, a plateau
+     ladder((1, 100, 100), (2, 190, 110), (4, 260, 125), (8, 270, 140), (16, 272, 155), (32, 273, 170)),
+     None, (1, 4), True, "plateau", "plateau from 4"),
     ("no knee within the ladder",
      ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60), (8, 2100, 70)),
-     None, (1, 8), True, "no knee within the ladder; the range is the whole ladder"),
+     None, (1, 8), True, "ladder", "no knee within the ladder"),
     ("a single step",
      ladder((8, 2000, 100)),
-     None, (8, 8), True, "a single step (8)"),
+     None, (8, 8), True, "ladder", "safe range [8, 8]"),
     ("even the lowest step is unsafe",
      ladder((1, 300, 1500), (2, 500, 2500)),
-     None, (1, 1), False, "even the lowest step (1) is unsafe"),
+     None, (1, 1), False, "hard limit", "even the lowest step (1) is not usable"),
 ]
 
 
-@pytest.mark.parametrize("name, rows, knee, rng, feasible, reason", CASES, ids=[c[0] for c in CASES])
-def test_knee_table(name, rows, knee, rng, feasible, reason):
+@pytest.mark.parametrize("name, rows, knee, rng, feasible, decided_by, reason", CASES, ids=[c[0] for c in CASES])
+def test_knee_table(name, rows, knee, rng, feasible, decided_by, reason):
     r = find_knee(rows, SLO, RULE)
-    assert (r.knee, (r.low, r.high), r.feasible) == (knee, rng, feasible), r.reason
+    assert (r.knee, (r.low, r.high), r.feasible, r.decided_by) == (knee, rng, feasible, decided_by), r.reason
     assert reason in r.reason
 
 
 def test_headroom_steps_lower_the_top():
     rows = ladder((4, 1000, 500), (8, 1900, 550), (16, 3400, 600), (32, 3500, 900))
     r = find_knee(rows, SLO, KneeRule(headroom_steps=1))
-    assert (r.low, r.high) == (4, 8) and "headroom" in r.reason
+    assert (r.low, r.high) == (4, 8) and "headroom" in r.reason and r.decided_by == "headroom"
 
 
 def test_ladder_must_ascend():
@@ -104,6 +115,7 @@ def test_sweep_profile_roundtrip(tmp_path):
     assert applied == [4, 8, 16, 32]
     profile = build_profile("online-chat", rows, FP, SLO, TRAFFIC, RULE, [], "2026-11-30T00:00:00")
     assert profile.range == (4, 16) and profile.knee == 32 and profile.ladder == (4, 8, 16, 32)
+    assert profile.decided_by == "knee"
     dump_profile(profile, tmp_path / "p.yaml")
     assert load_profile(tmp_path / "p.yaml") == profile
     table = markdown_table(profile)

@@ -1,0 +1,238 @@
+"""Calibration in the background: a pool with no profile for its set-up measures one itself.
+
+Runs in the controller's process, one pool at a time (two sweeps at once would measure each
+other). For each step of the pool's sweep ladder it waits until the pool has had no traffic of
+its own for `calibration.quiet_s`, pins the pool at the step in calibration mode, and keeps
+exactly that many synthetic requests per replica in flight through the pool's deployment
+handle: borrowed-class work, which the gate admits only after the pool's own, and the router
+does not lend into a calibrating pool. The step runs past its warm-up until the engines'
+output rate is steady (or its time cap). Traffic of the pool's own that arrives stops the
+step at once: the pin is lifted (the pool serves at its fallback range again) and the step
+is measured again later. The rows then go through the knee finder, and the profile is kept
+in the profile store and adopted by the controller.
+
+Latency is measured at this end of the handle, one hop from the engine; output throughput
+from the engines' own token counters in the replicas' reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autoscale.calibrate import build_profile
+from autoscale.controller import Controller
+from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec
+from infra.results import Result
+from infra.stats import percentile
+from infra.traffic import Lengths, synthetic_lengths, trace_lengths
+from pools.llm import request_models
+from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Rejected
+
+log = logging.getLogger("poolserve.autoscale")
+
+TENANT = "poolserve-calibration"
+
+
+class Interrupted(Exception):
+    """The pool's own traffic arrived during a step."""
+
+
+@dataclass
+class _Sample:
+    t: float
+    tokens: int
+    kv: float
+    preemptions: int
+    own_work: int
+
+
+class Calibrator:
+    def __init__(self, controller: Controller, handle: Callable[[str], Any], max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic, sleep=asyncio.sleep, seed: int = 0) -> None:
+        self._c, self._handle, self._max_model_len = controller, handle, max_model_len
+        self._clock, self._sleep, self._seed = clock, sleep, seed
+        self.running: str | None = None
+        self._busy_at = 0.0  # when the pool being calibrated last had traffic of its own
+
+    async def step(self) -> None:
+        """One turn of the background loop: calibrate the next pool that needs it, if any."""
+        if self.running is None and (waiting := self._c.needs_sweep()):
+            await self.calibrate(waiting[0])
+
+    async def calibrate(self, name: str) -> None:
+        self.running = name
+        self._busy_at = self._clock()  # unknown before: a whole quiet_s before the first step
+        request_models()  # vLLM's protocol module takes seconds to import: not inside a step's timing
+        try:
+            spec, rows = self._c.spec(name), []
+            for i, seqs in enumerate(spec.sweep, 1):
+                rows.append(await self._step_until_measured(name, seqs, f"step {i}/{len(spec.sweep)}"))
+            slo = self._c.slo(name)
+            profile = build_profile(name, rows, self._c.fingerprint(name), SLOSpec(**slo.model_dump()),
+                                    self._traffic(name), KneeRule(), (), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            self._c.adopt(name, profile)
+        except Exception as e:  # noqa: BLE001 - a failed sweep leaves the pool at its fallback range
+            log.exception("pool %s: calibration failed", name)
+            self._c.sweep_failed(name, f"{type(e).__name__}: {e}")
+        finally:
+            self.running = None
+
+    async def _step_until_measured(self, name: str, seqs: int, label: str) -> LadderRow:
+        while True:
+            self._c.sweep_progress(name, f"{label}: waiting for the pool to be quiet")
+            await self._quiet(name)
+            self._c.sweep_progress(name, f"{label}: measuring at {seqs} sequences")
+            try:
+                return await self._measure(name, seqs)
+            except Interrupted:
+                log.info("pool %s: its own traffic arrived during calibration at %d; measuring again later",
+                         name, seqs)
+            finally:
+                self._c.sweep_pin(name, None)
+
+    # -- one step --------------------------------------------------------------------------
+
+    async def _quiet(self, name: str) -> None:
+        """Until the pool has had no traffic of its own for `quiet_s` and nothing is left running."""
+        quiet_s = self._c.spec(name).calibration.quiet_s
+        while True:
+            now, reports = self._clock(), self._c.replica_stats(name)
+            if not reports or any(s.gate.own_work for s in reports):
+                self._busy_at = now
+            elif now - self._busy_at >= quiet_s and not any(s.gate.active_requests for s in reports):
+                return
+            await self._sleep(0.2)
+
+    async def _measure(self, name: str, seqs: int) -> LadderRow:
+        cal = self._c.spec(name).calibration
+        epoch = self._c.sweep_pin(name, seqs)
+        while not (reports := self._c.replica_stats(name)) or any(s.applied_epoch < epoch for s in reports):
+            await self._sleep(0.2)
+        lengths, results, samples = self._lengths(name), [], []
+        start = self._clock()
+        workers = [asyncio.get_running_loop().create_task(self._worker(name, lengths, results, i))
+                   for i in range(seqs * len(reports))]
+        try:
+            window, steady = await self._until_steady(name, cal, samples, start)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        return _row(seqs, results, samples, window, steady)
+
+    async def _until_steady(self, name: str, cal, samples: list[_Sample], start: float) -> tuple[tuple, bool]:
+        """Sample the reports until the output rate over the last chunks holds within 10%."""
+        chunks_needed = max(2, round(cal.min_measure_s / cal.check_s))
+        measure_from = start + cal.warmup_s
+        while True:
+            await self._sleep(min(0.5, cal.check_s / 4))
+            now, reports = self._clock(), self._c.replica_stats(name)
+            samples.append(_Sample(now, sum(s.engine.generated_tokens for s in reports),
+                                   max((s.engine.kv_usage for s in reports), default=0.0),
+                                   sum(s.engine.preemptions for s in reports), sum(s.gate.own_work for s in reports)))
+            if samples[-1].own_work:
+                self._busy_at = now
+                raise Interrupted
+            if now < measure_from + chunks_needed * cal.check_s:
+                continue
+            edges = [now - k * cal.check_s for k in range(chunks_needed, -1, -1)]
+            rates = [_rate(samples, a, b) for a, b in zip(edges, edges[1:])]
+            mean = sum(rates) / len(rates)
+            if mean > 0 and all(abs(r - mean) <= 0.1 * mean for r in rates):
+                return (edges[0], now), True
+            if now - measure_from >= cal.cap_s:
+                return (measure_from, now), False
+
+    async def _worker(self, name: str, lengths: Lengths, results: list[Result], i: int) -> None:
+        rng = random.Random(self._seed * 1000 + i)
+        stream = self._c.spec(name).calibration.stream
+        while True:
+            prompt, output = lengths.sample(rng)
+            res = Result(start=self._clock())
+            results.append(res)
+            await self._one(name, prompt, output, stream, res, rng)
+
+    async def _one(self, name: str, prompt: int, output: int, stream: bool, res: Result, rng: random.Random) -> None:
+        _, completion_cls = request_models()
+        ids = [rng.randrange(100, 1000) for _ in range(prompt)]  # token ids: an exact prompt length
+        body = completion_cls(prompt=ids, max_tokens=output, ignore_eos=True, stream=stream,
+                              **({"stream_options": {"include_usage": True}} if stream else {}))
+        call = PoolCall("completions", body, TENANT, 1.0, PriorityClass.BORROWED, prompt, output, borrowed=True,
+                        include_usage=True)
+        gen = self._handle(name).generate.remote(call)
+        try:
+            async for item in gen:
+                if isinstance(item, Rejected):
+                    res.status, res.error = item.status, item.reason
+                    return
+                if isinstance(item, (Arrived, Admitted)):
+                    continue
+                if isinstance(item, Finished):
+                    res.status, res.e2e = 200, self._clock() - res.start
+                    if item.usage is not None:
+                        res.prompt_tokens, res.output_tokens = item.usage.prompt_tokens, item.usage.completion_tokens
+                elif stream and res.ttft is None:
+                    res.ttft = self._clock() - res.start
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+
+    # -- traffic ---------------------------------------------------------------------------
+
+    def _lengths(self, name: str) -> Lengths:
+        spec = self._c.spec(name).calibration.lengths
+        if spec == "trace":
+            return trace_lengths(self._max_model_len)
+        prompt, output = (int(x) for x in spec.split("/"))
+        return synthetic_lengths(prompt, output)
+
+    def _traffic(self, name: str) -> TrafficSpec:
+        lengths = self._lengths(name)
+        return TrafficSpec(source=lengths.source + (", streamed" if self._c.spec(name).calibration.stream else
+                                                    ", whole responses"), scale=lengths.scale, seed=self._seed,
+                           **lengths.stats())
+
+
+def _tokens_at(samples: list[_Sample], t: float) -> float | None:
+    """The engines' token count at time t, interpolated between the samples around it."""
+    for s0, s1 in zip(samples, samples[1:]):
+        if s0.t <= t <= s1.t:
+            return s0.tokens + (s1.tokens - s0.tokens) * ((t - s0.t) / (s1.t - s0.t) if s1.t > s0.t else 0.0)
+    return None
+
+
+def _rate(samples: list[_Sample], a: float, b: float) -> float:
+    """Engine tokens per second between a and b."""
+    x, y = _tokens_at(samples, a), _tokens_at(samples, b)
+    return 0.0 if x is None or y is None or b <= a else (y - x) / (b - a)
+
+
+def _pcts(xs: list[float]) -> Percentiles:
+    if not xs:
+        return Percentiles(p50=0.0, p95=0.0, p99=0.0)
+    return Percentiles(p50=percentile(xs, 50) * 1e3, p95=percentile(xs, 95) * 1e3, p99=percentile(xs, 99) * 1e3)
+
+
+def _row(seqs: int, results: list[Result], samples: list[_Sample], window: tuple[float, float],
+         steady: bool) -> LadderRow:
+    a, b = window
+    seconds = max(b - a, 1e-6)
+    # latencies of the requests that completed in the window: in a steady closed loop they are
+    # distributed as those that started in it, and a long request still counts in a short window
+    done = [r for r in results if r.ok and r.e2e is not None and a <= r.start + r.e2e < b]
+    inside = [s for s in samples if a <= s.t <= b]
+    return LadderRow(
+        max_active_seqs=seqs, requests=len(done), duration_s=round(seconds, 2), steady=steady and bool(done),
+        req_per_s=len(done) / seconds, input_tok_per_s=sum(r.prompt_tokens for r in done) / seconds,
+        output_tok_per_s=_rate(samples, a, b), goodput_req_per_s=len(done) / seconds,
+        ttft_ms=_pcts([r.ttft for r in done if r.ttft is not None]),
+        tpot_ms=_pcts([r.tpot for r in done if r.tpot is not None]),
+        e2e_ms=_pcts([r.e2e for r in done]),
+        kv_usage_max=max((s.kv for s in inside), default=0.0),
+        preemptions=(inside[-1].preemptions - inside[0].preemptions) if len(inside) > 1 else 0,
+        errors=sum(1 for r in results if a <= r.start < b and r.status not in (0, 200)), rejections=0)

@@ -1,0 +1,170 @@
+"""Calibration that travels: which profile a pool runs on, and the background sweep of a pool that
+has none for its set-up, on a fake engine whose throughput curve is known."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from autoscale.config import AutoscaleConfig
+from autoscale.controller import Controller
+from autoscale.profile import Fingerprint, KneeRule, SLOSpec, TrafficSpec, LengthStats
+from autoscale.calibrate import build_profile
+from autoscale.ranges import PoolSpec
+from autoscale.selfcal import Calibrator
+from autoscale.store import ProfileStore
+from infra.state import DirStore, MemoryStore
+from pools.config import CalibrationConfig
+from pools.control import ReplicaStats
+from pools.types import Admitted, EngineStats, Finished, GateStats, LatencySample, SafeRange, Usage
+from tests.unit.knee_fixtures import batching
+
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
+CONFIGURED = SafeRange(LADDER, 1, 8, 100, 100_000)
+FALLBACK = SafeRange(LADDER, 1, 16, 100, 100_000)
+FP = dict(model="m", dtype="float32", quantization="none", max_model_len=2048, hardware="cpu:here",
+          vllm_version="0.29.0", max_num_seqs=128, max_num_batched_tokens=4096, kv_cache_gb=1.0)
+ELSEWHERE = {**FP, "hardware": "cpu:the machine it was measured on"}
+LENGTHS = LengthStats(p50=1, p90=1, p99=1)
+TRAFFIC = TrafficSpec(source="t", scale=1, seed=0, prompt_tokens=LENGTHS, output_tokens=LENGTHS, total_tokens=LENGTHS)
+FAST = CalibrationConfig(lengths="8/4", stream=True, warmup_s=0.3, check_s=0.5, min_measure_s=1.5, cap_s=6,
+                         quiet_s=0.2)
+
+
+def configured_profile():
+    rows = batching()[:4]
+    return build_profile("p", rows, Fingerprint(**ELSEWHERE), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100), TRAFFIC,
+                         KneeRule(), (), "2026-11-30")
+
+
+def spec(mode="auto", profile=True, sweep=(1, 2, 4, 8, 16, 32, 64, 128)) -> PoolSpec:
+    return PoolSpec("p", CONFIGURED, 1.0, 0.1, 128, fallback=FALLBACK,
+                    profile=configured_profile() if profile else None,
+                    calibration=FAST.model_copy(update={"mode": mode}), sweep=sweep, deployment="pool-p")
+
+
+def report(c: Controller, fp=FP, active=0, tokens=0, own=0, borrowed=0) -> object:
+    limits = c.allowed("p").limits_for(c.allowed("p").low)
+    gate = GateStats(active=active, inflight_tokens=0, queued_by_class={"standard": own}, queued_tokens=0,
+                     oldest_wait_s=0, limits=limits, admitted=0, rejected=0, cancelled=0, evicted=0, completed=0,
+                     active_requests=active, borrowed_requests=borrowed)
+    epoch = c.status("p").epoch if c.calibration("p").state != "unknown" else 0
+    return c.report(ReplicaStats("p", "r1", time.time(), gate, EngineStats(generated_tokens=tokens), LatencySample(),
+                                 limits_allowed(c), applied_epoch=epoch, fingerprint=fp))
+
+
+def limits_allowed(c):
+    return c.allowed("p") if c.calibration("p").state != "unknown" else FALLBACK
+
+
+def controller(s: PoolSpec, profiles: ProfileStore | None = None) -> Controller:
+    return Controller({"p": s}, AutoscaleConfig(), time.monotonic, profiles=profiles)
+
+
+@pytest.mark.parametrize("mode, fp, state, allowed", [
+    ("auto", ELSEWHERE, "profile", (1, 8)),  # measured on this set-up: the configured profile
+    ("auto", FP, "calibrating", (1, 16)),  # another set-up: the fallback range, a sweep will run
+    ("fallback", FP, "fallback", (1, 16)),
+    ("strict", FP, "strict", (1, 1)),  # today's behaviour: the bottom of the configured range
+    ("auto", {}, "profile", (1, 8)),  # no engine facts to compare: the configured profile
+], ids=["matching", "auto", "fallback", "strict", "unchecked"])
+def test_which_range_a_pool_runs_in(mode, fp, state, allowed):
+    c = controller(spec(mode))
+    d = report(c, fp)
+    assert c.calibration("p").state == state and (d.allowed.low, d.allowed.high) == allowed
+    assert c.views()["p"].calibrating is (state == "calibrating")  # no borrowing into or out of it meanwhile
+
+
+@pytest.mark.parametrize("mode, state, allowed", [
+    ("fallback", "manual", (1, 8)),  # the configured range, for good
+    ("auto", "calibrating", (1, 16)),  # the range's steps up to `start` until a sweep measured the set-up
+], ids=["kept", "calibrated"])
+def test_a_configured_range_is_kept_or_calibrated(mode, state, allowed):
+    c = controller(spec(mode, profile=False))
+    report(c, FP)
+    assert c.calibration("p").state == state and (c.allowed("p").low, c.allowed("p").high) == allowed
+    assert c.needs_sweep() == (["p"] if state == "calibrating" else [])
+
+
+class FakePool:
+    """An engine whose iteration takes 20 + b ms for b sequences (the batching fixture's curve):
+    each request streams 16 tokens. It reports to the controller every 50 ms; `own` requests of
+    the pool's own traffic can be made to appear."""
+
+    def __init__(self, c: Controller) -> None:
+        self.c, self.active, self.tokens, self.own, self.seen_steps = c, 0, 0.0, 0, []
+
+    def handle(self, name):
+        return SimpleNamespace(generate=SimpleNamespace(remote=lambda call: self._stream(call)))
+
+    async def _stream(self, call):
+        self.active += 1
+        try:
+            yield Admitted("p", "r1", 0.0)
+            for _ in range(call.max_tokens):
+                await asyncio.sleep((20 + self.active) / 1e3)
+                yield ["data: x"]
+            yield Finished(Usage(call.prompt_tokens, call.max_tokens), None, 0.0)
+        finally:
+            self.active -= 1
+
+    async def report_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            b = self.active
+            self.tokens += 0.05 * (1000 * b / (20 + b))
+            self.seen_steps.append(self.c.allowed("p").high if self.c.status("p").pinned else None)
+            report(self.c, FP, active=b, tokens=int(self.tokens), own=self.own, borrowed=b)
+
+
+def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it(tmp_path):
+    store = ProfileStore(DirStore(tmp_path))
+
+    async def go():
+        c = controller(spec(sweep=(1, 4, 16, 64, 128)), store)
+        pool = FakePool(c)
+        report(c, FP)
+        assert c.needs_sweep() == ["p"]
+        reporter = asyncio.get_running_loop().create_task(pool.report_forever())
+        cal = Calibrator(c, pool.handle, max_model_len=2048)
+        try:
+            await asyncio.wait_for(cal.step(), 60)
+        finally:
+            reporter.cancel()
+        return c
+
+    c = asyncio.run(go())
+    status = c.status("p")
+    assert status.calibration.state == "profile" and "sweep of this set-up" in status.calibration.source
+    assert status.safe_range == (1, 64) and status.pinned is None  # the knee of 20 + b ms: 128 is past it
+    again = controller(spec(), store)  # a second start on the same set-up
+    report(again, FP)
+    assert again.calibration("p").state == "profile" and "profile store" in again.calibration("p").source
+    assert again.allowed("p").high == 64
+
+
+def test_own_traffic_stops_a_step_and_the_pool_serves_at_its_fallback_meanwhile(tmp_path):
+    async def go():
+        c = controller(spec(sweep=(1, 4)), ProfileStore(MemoryStore()))
+        pool = FakePool(c)
+        report(c, FP)
+        reporter = asyncio.get_running_loop().create_task(pool.report_forever())
+        cal = asyncio.get_running_loop().create_task(Calibrator(c, pool.handle, 2048).step())
+        while not c.status("p").pinned:
+            await asyncio.sleep(0.01)
+        pool.own = 3  # chat arrives during the first step
+        while c.status("p").pinned:
+            await asyncio.sleep(0.01)
+        unpinned = c.allowed("p")
+        await asyncio.sleep(0.5)
+        pool.own = 0
+        await asyncio.wait_for(cal, 60)
+        reporter.cancel()
+        return c, unpinned
+
+    c, unpinned = asyncio.run(go())
+    assert (unpinned.low, unpinned.high) == (1, 16)  # the fallback range at once
+    assert c.calibration("p").state == "profile"  # the step was measured again later
