@@ -102,9 +102,9 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
-        target = self.target(stats.pool)
-        return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch,
-                               "pinned" if self._pinned(p) is not None else "")
+        target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
+        reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
+        return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
 
     # -- decisions ---------------------------------------------------------------
 

@@ -70,8 +70,11 @@ class Calibrator:
         request_models()  # vLLM's protocol module takes seconds to import: not inside a step's timing
         try:
             spec, rows = self._c.spec(name), []
+            log.info("pool %s: calibrating this set-up in the background, ladder %s", name, list(spec.sweep))
             for i, seqs in enumerate(spec.sweep, 1):
                 rows.append(await self._step_until_measured(name, seqs, f"step {i}/{len(spec.sweep)}"))
+                log.info("pool %s: calibration step %d/%d at %d sequences: %.0f output tok/s%s", name, i,
+                         len(spec.sweep), seqs, rows[-1].output_tok_per_s, "" if rows[-1].steady else " (unsteady)")
             slo = self._c.slo(name)
             profile = build_profile(name, rows, self._c.fingerprint(name), SLOSpec(**slo.model_dump()),
                                     self._traffic(name), KneeRule(), (), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
@@ -80,6 +83,7 @@ class Calibrator:
             log.exception("pool %s: calibration failed", name)
             self._c.sweep_failed(name, f"{type(e).__name__}: {e}")
         finally:
+            self._c.sweep_pin(name, None)
             self.running = None
 
     async def _step_until_measured(self, name: str, seqs: int, label: str) -> LadderRow:
@@ -89,22 +93,22 @@ class Calibrator:
             self._c.sweep_progress(name, f"{label}: measuring at {seqs} sequences")
             try:
                 return await self._measure(name, seqs)
-            except Interrupted:
+            except Interrupted:  # the pool serves its own traffic at its fallback range again
+                self._c.sweep_pin(name, None)
                 log.info("pool %s: its own traffic arrived during calibration at %d; measuring again later",
                          name, seqs)
-            finally:
-                self._c.sweep_pin(name, None)
 
     # -- one step --------------------------------------------------------------------------
 
     async def _quiet(self, name: str) -> None:
-        """Until the pool has had no traffic of its own for `quiet_s` and nothing is left running."""
+        """Until the pool has had no traffic of its own for `quiet_s` (synthetic requests of the step
+        before may still end: they are the sweep's own)."""
         quiet_s = self._c.spec(name).calibration.quiet_s
         while True:
             now, reports = self._clock(), self._c.replica_stats(name)
             if not reports or any(s.gate.own_work for s in reports):
                 self._busy_at = now
-            elif now - self._busy_at >= quiet_s and not any(s.gate.active_requests for s in reports):
+            elif now - self._busy_at >= quiet_s:
                 return
             await self._sleep(0.2)
 

@@ -3,6 +3,7 @@ and the background calibration of pools that have no profile for their set-up.""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from autoscale.config import AutoscaleConfig
@@ -23,6 +24,8 @@ class ControllerService:
         from infra.metrics import ControllerMetrics
 
         configure_logging()
+        # Serve's own notes on the sweep's requests it cancels (dozens a step) would flood the console
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
         if any(s.calibration.mode == "auto" for s in specs.values()):
             from pools.llm import request_models
 

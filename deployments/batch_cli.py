@@ -22,10 +22,23 @@ from pathlib import Path
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 
+def ray_token() -> str | None:
+    """The cluster's token, found where Ray's own CLI finds it: `RAY_AUTH_TOKEN`, the file
+    `RAY_AUTH_TOKEN_PATH` names, or `~/.ray/auth_token` (where a local Ray writes it)."""
+    if token := os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return token
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address)
+    token = ray_token()  # Ray's token authentication is on by default for a cluster ray.init() starts
+    return JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"} if token else None)
 
 
 def entrypoint(input_path: str, output_path: str, url: str, pool: str, concurrency: int,

@@ -112,11 +112,10 @@ def _cmd_serve(args) -> int:
     if c.ray.dashboard and not c.ray.address:
         print("  ray dashboard     http://127.0.0.1:8265  (job submission: poolserve batch submit)")
     print("Ctrl-C stops it.", flush=True)
-    try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    except KeyboardInterrupt:
-        pass
-    print("shutting down ...")
+    stop = {signal.SIGINT, signal.SIGTERM}  # blocked, so that either one (a terminal, kill, a pod) reaches sigwait
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    signal.sigwait(stop)
+    print("shutting down ...", flush=True)
     serve.shutdown()
     ray.shutdown()
     return 0

@@ -260,8 +260,9 @@ class PoolServer:
 
     def _apply(self, directive: LimitsDirective) -> None:
         if directive.limits != self._gate.gate.limits or directive.allowed != self._gate.gate.allowed:
-            log.info("pool %s replica %s: limits -> %s (%s)", self._settings.name, self._replica,
-                     directive.limits, directive.reason or "controller")
+            level = logging.DEBUG if directive.reason == "sweep" else logging.INFO  # a sweep's steps: its own log
+            log.log(level, "pool %s replica %s: limits -> %s (%s)", self._settings.name, self._replica,
+                    directive.limits, directive.reason or "controller")
         self._gate.set_limits(directive.limits, directive.allowed)
         self._applied_epoch = directive.epoch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deployments.batch_cli import entrypoint
-from tests.integration.conftest import KEYS, REPO, wait_for
+from tests.integration.conftest import KEYS, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +80,33 @@ def test_stopped_job_resumes_without_loss_or_duplicates(jobs, stack, tmp_path):
     assert f"{len(partial)} already in" in jobs.get_job_logs(second)
 
 
+CLEAN = {"HOME": os.environ["HOME"], "PATH": "/usr/bin:/bin"}  # a second shell: nothing from this process
+CLI = [str(Path(sys.executable).parent / "poolserve"), "batch"]
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=cwd, env=CLEAN, capture_output=True, text=True, timeout=60)
+
+
+def cli_job_ends(stack, job: str, cwd: Path) -> str:
+    return wait_for(lambda: (lambda s: s if "FAILED" in s or "SUCCEEDED" in s else None)(
+        cli("status", job, "--address", stack.dashboard_url, cwd=cwd).stdout), 300, interval=1, what="the job to end")
+
+
+def test_the_cli_submits_watches_and_reads_a_job_from_a_clean_shell(stack, tmp_path):
+    """Ray turns token authentication on for a cluster ray.init() starts; the CLI finds the token
+    where Ray's own CLI does (~/.ray/auth_token here), with no variable set."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(inp, 12)
+    run = cli("submit", str(inp), "--output", str(out), "--tenant-key", KEYS["batch"], "--address",
+              stack.dashboard_url, "--url", stack.base_url, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    job = run.stdout.strip().splitlines()[-1]
+    assert "SUCCEEDED" in cli_job_ends(stack, job, tmp_path)
+    assert '"done": 12' in cli("logs", job, "--address", stack.dashboard_url, cwd=tmp_path).stdout
+    assert sorted(r["custom_id"] for r in read_output(out)) == [f"req-{i:04d}" for i in range(12)]
+
+
 def test_bad_line_and_duplicate_id_are_reported_by_the_cli(stack, tmp_path):
     inp, out = tmp_path / "bad.jsonl", tmp_path / "out.jsonl"
     write_input(inp, 5)
@@ -86,18 +114,12 @@ def test_bad_line_and_duplicate_id_are_reported_by_the_cli(stack, tmp_path):
     lines.insert(2, "{this is not json")
     lines.append(lines[0])  # a duplicate custom_id
     inp.write_text("\n".join(lines) + "\n")
-    cli = [sys.executable, "-m", "deployments.cli", "batch"]
-    run = subprocess.run(cli + ["submit", str(inp), "--output", str(out), "--tenant-key", KEYS["batch"],
-                                "--address", stack.dashboard_url, "--url", stack.base_url],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    run = cli("submit", str(inp), "--output", str(out), "--tenant-key", KEYS["batch"], "--address",
+              stack.dashboard_url, "--url", stack.base_url, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     job = run.stdout.strip().splitlines()[-1]
-    status = wait_for(lambda: (lambda s: s if "FAILED" in s or "SUCCEEDED" in s else None)(subprocess.run(
-        cli + ["status", job, "--address", stack.dashboard_url], cwd=REPO, capture_output=True, text=True).stdout),
-        120, interval=1, what="the job to end")
-    assert "FAILED" in status
-    logs = subprocess.run(cli + ["logs", job, "--address", stack.dashboard_url], cwd=REPO, capture_output=True,
-                          text=True).stdout
+    assert "FAILED" in cli_job_ends(stack, job, tmp_path)
+    logs = cli("logs", job, "--address", stack.dashboard_url, cwd=tmp_path).stdout
     assert "line 3: not valid JSON" in logs
     assert "line 7: duplicate custom_id 'req-0000' (first on line 1)" in logs
     assert "nothing sent" in logs and not out.exists()
