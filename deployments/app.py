@@ -182,7 +182,8 @@ def build_controller(resolved: Resolved) -> Application:
 def build_ledger(resolved: Resolved) -> Application:
     quotas = {t.name: Quota(**t.quota.model_dump()) for t in resolved.config.tenants}
     return serve.deployment(LedgerService, name=LEDGER, num_replicas=1, max_ongoing_requests=10_000,
-                            ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(quotas)
+                            ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
+        quotas, store=GcsStore(STATE_NAMESPACE))
 
 
 def router_settings(resolved: Resolved):

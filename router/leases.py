@@ -9,26 +9,53 @@ hands unused balances back every `sync_interval_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from typing import Any, Callable
 
+from infra.state import StateStore
 from router.quota import Charge, Denied, Grant, LeaseBook, Need, Quota, QuotaLedger
 
 log = logging.getLogger("poolserve.router")
 
 
 class LedgerService:
-    def __init__(self, quotas: dict[str, Quota], clock: Callable[[], float] = time.monotonic) -> None:
+    """The one ledger. Each tenant's account is saved to a `StateStore` (Ray's GCS key-value
+    store when deployed) before a call that changed it returns, and read back by a ledger
+    that starts: a restart keeps the buckets as they were and the slots out, instead of
+    failing open, and nothing granted was unsaved. The clock is the wall clock, so saved
+    times mean the same to the next process."""
+
+    PREFIX = "quota-ledger/"
+
+    def __init__(self, quotas: dict[str, Quota], clock: Callable[[], float] = time.time,
+                 store: StateStore | None = None) -> None:
         self._clock = clock
         self._ledger = QuotaLedger(quotas, clock())
+        self._store = store
+        restored = 0
+        for tenant in quotas if store is not None else ():
+            if saved := store.get(self.PREFIX + tenant):
+                self._ledger.restore(tenant, saved)
+                restored += 1
+        if restored:
+            log.info("quota ledger: restored %d tenants' accounts saved before a restart", restored)
+
+    def _save(self, tenant: str) -> None:
+        if self._store is not None:  # a blocking write of one small document: the answer waits for it
+            self._store.put(self.PREFIX + tenant, self._ledger.export(tenant))
 
     async def grant(self, tenant: str, holder: str, need: Need) -> Grant:
-        return self._ledger.grant(tenant, holder, need, self._clock())
+        grant = self._ledger.grant(tenant, holder, need, self._clock())
+        self._save(tenant)
+        return grant
 
     async def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots_held: int) -> Grant:
-        return self._ledger.settle(tenant, holder, requests, tokens, slots_held, self._clock())
+        grant = self._ledger.settle(tenant, holder, requests, tokens, slots_held, self._clock())
+        self._save(tenant)
+        return grant
 
     async def usage(self, tenant: str) -> dict[str, float]:
         return self._ledger.usage(tenant, self._clock())
@@ -47,11 +74,12 @@ class QuotaUnavailable(Exception):
 class QuotaClient:
     """A router replica's leases, refilled from the ledger one tenant at a time.
 
-    A refill runs under the tenant's lock and is shielded from its caller: a client that
-    leaves while the ledger answers does not lose what the ledger granted (it stays in the
-    lease for the next request, and goes back at the next sync)."""
+    A refill and the charge it was for happen under the tenant's lock, so a request refused
+    is refused for the limit it reached; a client that leaves while the ledger answers does
+    not lose what the ledger granted (it stays in the lease for the next request, and goes
+    back at the next sync)."""
 
-    MAX_REFILLS = 4  # per charge: other requests may spend a refill before this one charges
+    MAX_REFILLS = 8  # per charge: requests charging from the lease meanwhile may spend a refill
 
     def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float, sync_interval_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -67,30 +95,47 @@ class QuotaClient:
         """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
         QuotaExceeded with an honest retry-after, or QuotaUnavailable."""
         self._ensure_syncer()
-        for _ in range(self.MAX_REFILLS):
-            result = self._book.try_charge(tenant, tokens, new_request)
-            if isinstance(result, Charge):
-                return result
-            denied = await asyncio.shield(self._refill(tenant, tokens, new_request))
-            if denied is not None:
-                raise QuotaExceeded(denied)
-        raise QuotaExceeded(Denied("contention", 1.0, *self.remaining(tenant)))
+        result = self._book.try_charge(tenant, tokens, new_request)
+        if isinstance(result, Charge):
+            return result
+        result = await self._refill_and_charge(tenant, tokens, new_request)
+        if isinstance(result, Denied):
+            raise QuotaExceeded(result)
+        return result
 
     async def charge_tokens(self, charge: Charge, tokens: int) -> Charge:
         """Add `tokens` to a request already charged; the result is the request's one charge."""
         more = await self.charge(charge.tenant, tokens, new_request=False)
         return Charge(charge.tenant, charge.tokens + more.tokens)
 
-    async def _refill(self, tenant: str, tokens: int, new_request: bool) -> Denied | None:
+    async def _refill_and_charge(self, tenant: str, tokens: int, new_request: bool) -> Charge | Denied:
+        """Ask the ledger for what the lease lacks and charge right after its answer, under the
+        tenant's lock: between a grant and its charge no other request or sync can spend it.
+        A charge refused after that names the limit that ran short, never a lost race."""
         async with self._locks[tenant]:
-            need = self._book.need(tenant, tokens, new_request)
-            if need is None:  # another request's refill covered this one too
-                return None
-            try:
-                grant = await self._remote("grant", tenant, self._holder, need)
-            except Exception as e:
-                raise QuotaUnavailable(f"{type(e).__name__}: {e}") from e
-            return self._book.add(tenant, grant, self._clock())
+            for _ in range(self.MAX_REFILLS):
+                need = self._book.try_charge(tenant, tokens, new_request)
+                if isinstance(need, Charge):  # another request's refill covered this one too
+                    return need
+                if (denied := self._book.add(tenant, await self._grant(tenant, need), self._clock())) is not None:
+                    return denied
+            result = self._book.try_charge(tenant, tokens, new_request)
+            return result if isinstance(result, Charge) else self._book.short(tenant, result)
+
+    async def _grant(self, tenant: str, need: Need) -> Grant:
+        """The ledger's grant. A caller that leaves meanwhile still waits for the answer, under
+        the tenant's lock, so that no sync reports this replica's slots without the grant;
+        what the ledger granted goes into the lease for the next request."""
+        call = asyncio.ensure_future(self._remote("grant", tenant, self._holder, need))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            await _outlast(call)
+            if not call.cancelled() and call.exception() is None:
+                self._book.add(tenant, call.result(), self._clock())
+            raise
+        except Exception as e:
+            raise QuotaUnavailable(f"{type(e).__name__}: {e}") from e
 
     def finish(self, charge: Charge, used_tokens: int | None) -> None:
         self._book.finish(charge, used_tokens)
@@ -139,3 +184,10 @@ class QuotaClient:
                 await self.sync()
             except Exception:  # a bug in one sync must not end the loop
                 log.exception("quota sync failed")
+
+
+async def _outlast(future: asyncio.Future) -> None:
+    """Wait until `future` is done, through any number of cancellations of the waiting task."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({future})

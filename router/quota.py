@@ -160,6 +160,25 @@ class QuotaLedger:
             acct.slots_out[holder] = max(0, slots_held)
         return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now))
 
+    def export(self, tenant: str) -> dict:
+        """A tenant's account as a JSON-able document (bucket levels at their update times,
+        slots held by each router replica), to be kept where a restarted ledger finds it."""
+        def bucket(b: TokenBucket | None):
+            return None if b is None else {"level": b.level, "updated": b.updated}
+        a = self._accounts[tenant]
+        return {"requests": bucket(a.requests), "tokens": bucket(a.tokens), "slots_out": dict(a.slots_out),
+                "seen": dict(a.seen)}
+
+    def restore(self, tenant: str, saved: dict) -> None:
+        """Take back an exported account (times on the same clock); a quota that changed keeps
+        its new capacity."""
+        acct = self._accounts[tenant]
+        for bucket, b in ((acct.requests, saved.get("requests")), (acct.tokens, saved.get("tokens"))):
+            if bucket is not None and b:
+                bucket.level, bucket.updated = min(float(b["level"]), bucket.capacity), float(b["updated"])
+        acct.slots_out = {h: int(n) for h, n in saved.get("slots_out", {}).items()}
+        acct.seen = {h: float(t) for h, t in saved.get("seen", {}).items()}
+
     def usage(self, tenant: str, now: float) -> dict[str, float]:
         acct = self._accounts[tenant]
         rem_req, rem_tok = self._remaining(acct, now)
@@ -310,6 +329,11 @@ class LeaseBook:
             lease.slots_free += 1
         if q.tokens_per_min is not None and used_tokens is not None:
             lease.tokens += charge.tokens - used_tokens
+
+    def short(self, tenant: str, need: Need) -> Denied:
+        """A refusal naming what the lease still lacks after the ledger's grants."""
+        limit = "concurrency" if need.slots else "tokens" if need.tokens else "requests"
+        return Denied(limit, 1.0, self.remaining_requests(tenant), self.remaining_tokens(tenant))
 
     def surplus(self, tenant: str) -> tuple[float, float, int]:
         """What a sync hands back: unused requests and tokens (negative tokens: a debt) and

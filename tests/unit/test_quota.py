@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -226,3 +227,71 @@ def test_a_lease_spent_by_others_during_a_grant_is_a_refusal_not_a_crash():
             await big
 
     asyncio.run(go())
+
+
+def test_a_restarted_ledger_keeps_the_buckets_and_the_slots_out():
+    import asyncio
+
+    from infra.state import MemoryStore
+    from router.leases import LedgerService
+
+    async def go():
+        quotas = {"t": Quota(tokens_per_min=6000, max_concurrent=4)}
+        store, now = MemoryStore(), [1000.0]
+        first = LedgerService(quotas, clock=lambda: now[0], store=store)
+        await first.grant("t", "router-1", Need(tokens=5000, slots=3))  # saved before it answered
+        del first  # killed right after the answer
+        now[0] += 6.0  # the restart takes six seconds: 600 tokens refill meanwhile
+        second = LedgerService(quotas, clock=lambda: now[0], store=store)
+        return await second.usage("t"), await second.grant("t", "router-2", Need(slots=2))
+
+    usage, refused = asyncio.run(go())
+    assert usage["remaining_tokens"] == pytest.approx(1000 + 600) and usage["concurrent"] == 3
+    assert not refused.granted and refused.limit == "concurrency"  # 3 of 4 slots are still out
+
+
+class LaggingLedger:
+    """The ledger service behind a connection with seeded random delays both ways."""
+
+    def __init__(self, quotas, rng) -> None:
+        from router.leases import LedgerService
+
+        self._service, self._rng = LedgerService(quotas), rng
+
+    async def _call(self, method: str, *args):
+        await asyncio.sleep(self._rng.random() * 0.002)
+        result = await getattr(self._service, method)(*args)
+        await asyncio.sleep(self._rng.random() * 0.002)
+        return result
+
+    async def grant(self, *args):
+        return await self._call("grant", *args)
+
+    async def settle(self, *args):
+        return await self._call("settle", *args)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_burst_against_one_quota_is_refused_for_the_limit_it_reached(seed):
+    """Eight requests of 215 tokens at once against 1,200 tokens, charged as the router charges
+    them (the request, then its tokens), with syncs every few milliseconds: five fit, and the
+    other three are refused because the tokens ran out, never for losing a race to the others."""
+    import random
+
+    from router.leases import QuotaClient, QuotaExceeded
+
+    async def one(client):
+        try:
+            admission = await client.charge("t", 0)
+            await asyncio.sleep(0.001)
+            await client.charge_tokens(admission, 215)
+            return "ok"
+        except QuotaExceeded as e:
+            return e.denied.limit
+
+    async def go():
+        quotas = {"t": Quota(requests_per_min=600, tokens_per_min=1200, max_concurrent=8)}
+        client = QuotaClient(LaggingLedger(quotas, random.Random(seed)), quotas, 0.1, 0.003)
+        return await asyncio.gather(*(one(client) for _ in range(8)))
+
+    assert sorted(asyncio.run(go())) == ["ok"] * 5 + ["tokens"] * 3
