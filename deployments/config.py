@@ -179,22 +179,54 @@ def _model_shape(config: PoolserveConfig, source: Path) -> ModelShape | None:
     return ModelShape.from_hf_config(json.loads(cfg.read_text()), config.model.dtype)
 
 
-def _check_tenants(c: PoolserveConfig) -> list[Problem]:
-    out = []
+# Keys poolserve itself ships, in examples, the development config and the tests: anyone can
+# read them, so a server that other machines reach must not accept them.
+SHIPPED_KEYS = ("poolserve-admin-dev", "sk-chat-dev", "sk-batch-dev", "sk-acme-dev", "test-admin", "sk-test-chat",
+                "sk-test-batch", "sk-test-limited", "sk-test-other", "admin-CHANGE-ME", "sk-chat-team-CHANGE-ME",
+                "sk-batch-team-CHANGE-ME", "sk-admin-CHANGE-ME", "CHANGE-ME")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KEY_FIX = "make one with `poolserve hash-key $(openssl rand -hex 24)` and keep the key itself secret"
+
+
+def _shipped(c: PoolserveConfig, key: str, digest: str | None, out: list[Problem], local: list[str]) -> None:
+    from router.auth import sha256_hex
+
+    example = next((k for k in SHIPPED_KEYS if digest == sha256_hex(k)), None)
+    if example is None:
+        return
+    if c.router.host in LOOPBACK:
+        local.append(example)
+    else:
+        out.append(Problem(key, digest[:12] + "...", f"is the hash of {example!r}, a key poolserve ships in its "
+                                                     f"examples, on a router other machines reach (router.host "
+                                                     f"{c.router.host})", KEY_FIX))
+
+
+def _check_tenants(c: PoolserveConfig, warnings: list[str]) -> list[Problem]:
+    out, local = [], []
     names, hashes = set(), set()
+    _shipped(c, "router.admin_key_sha256", c.router.admin_key_sha256, out, local)
     for i, t in enumerate(c.tenants):
         key = f"tenants[{i}]"
         if t.name in names:
             out.append(Problem(f"{key}.name", t.name, "duplicate tenant name", "give each tenant its own name"))
-        if t.key_sha256 in hashes:
+        if t.key_sha256 is None and c.router.keys_dir is None:
+            out.append(Problem(f"{key}.key_sha256", None, f"tenant {t.name!r} has no key",
+                               f"set key_sha256 ({KEY_FIX}), or router.keys_dir to a folder holding a file "
+                               f"named {t.name!r}"))
+        if t.key_sha256 is not None and t.key_sha256 in hashes:
             out.append(Problem(f"{key}.key_sha256", t.key_sha256[:12] + "...", "two tenants share one key",
                                "give each tenant its own key"))
+        _shipped(c, f"{key}.key_sha256", t.key_sha256, out, local)
         names.add(t.name)
         hashes.add(t.key_sha256)
         for pool in t.pools:
             if pool not in c.pools:
                 out.append(Problem(f"{key}.pools", list(t.pools), f"unknown pool {pool!r}",
                                    f"use pools defined under pools: {sorted(c.pools)}"))
+    if local:
+        warnings.append(f"the example keys {', '.join(local)} are accepted: fine while the router listens on "
+                        f"{c.router.host} only")
     return out
 
 
@@ -271,7 +303,8 @@ def _pool_range(c: PoolserveConfig, name: str, p: PoolConfig, base: Path, kv: KV
 
 
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
-    problems = _check_tenants(config)
+    warnings: list[str] = []
+    problems = _check_tenants(config, warnings)
     for name, p in config.pools.items():
         problems += _check_pool(config, name, p)
     prefixes = [p.route_prefix for p in config.pools.values()]
@@ -279,7 +312,6 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
         if prefixes.count(p.route_prefix) > 1 or p.route_prefix == "/v1":
             problems.append(Problem(f"pools.{name}.route_prefix", p.route_prefix, "taken by another route",
                                     "give each pool its own prefix (not /v1)"))
-    warnings = []
     source_path = _path(base_dir, config.model.source)
     model_source = str(source_path) if source_path.exists() else config.model.source
     shape = _model_shape(config, source_path) if source_path.exists() else None
@@ -292,7 +324,7 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
         rp = _pool_range(config, name, p, base_dir, kv, problems)
         if rp is not None:
             pools[name] = rp
-    if config.router.admin_key_sha256 is None:
+    if config.router.admin_key_sha256 is None and config.router.keys_dir is None:
         warnings.append("router.admin_key_sha256 is not set: the admin API is disabled")
     if problems:
         raise ConfigError(source, problems)

@@ -7,9 +7,16 @@ from the same config file the local run uses.
     k8s/rayjob-batch.yaml      RayJob: a batch file from a volume through the router, on its own
                                small CPU cluster, the tenant key from a Secret
     k8s/podmonitor.yaml        Prometheus Operator PodMonitor for Ray's metrics port
-    k8s/secret-example.yaml    the keys clients (the batch job) use; the config holds only hashes
+    k8s/networkpolicy.yaml     who may reach the head pods: the serving port and metrics for all; the
+                               dashboard (its Jobs API runs code) only the Ray cluster's own pods and
+                               KubeRay's operator, which submits the batch RayJob (HTTPMode)
+    k8s/secret-example.yaml    the shape of the Secret `poolserve-keys` (tenant keys, admin key, HF
+                               token), which the router reads at start; never applied: create your own
     k8s/batch-pvc.yaml         the volume batch files are read from and written to
-    k8s/kustomization.yaml     all of the above, and the dashboard as a ConfigMap
+    k8s/kustomization.yaml     all of the above but the Secret, and the dashboard as a ConfigMap
+
+Ray's token authentication is on in both clusters (`authOptions`): KubeRay generates the token
+and gives it to every Ray container.
     k8s/dashboards/poolserve.json
 
 The committed files are this command's output; a test fails when they drift.
@@ -30,6 +37,7 @@ from deployments.config import RayConfig, load
 APP_IMPORT_PATH = "deployments.app:app_builder"
 IMAGE_HOME = "/home/ray/poolserve"
 METRICS_PORT = 8080
+KEYS_DIR = "/etc/poolserve/keys"
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,17 @@ def dashboard() -> dict:
 def _container(s: RenderSettings, name: str, resources: dict, ports: list[dict], env: list[dict] = ()) -> dict:
     return {"name": name, "image": s.image, "resources": {"limits": resources, "requests": resources},
             "ports": ports, "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-                "name": f"{s.name}-keys", "key": "hf-token", "optional": True}}}, *env]}
+                "name": f"{s.name}-keys", "key": "hf-token", "optional": True}}}, *env],
+            "volumeMounts": [{"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}]}
+
+
+def _head_labels(s: RenderSettings) -> dict:
+    return {"poolserve.io/head": s.name}
+
+
+def _keys_volume(s: RenderSettings) -> dict:
+    """The Secret as files, owner-readable: the router (on any pod) reads tenant and admin keys."""
+    return {"name": "keys", "secret": {"secretName": f"{s.name}-keys", "defaultMode": 0o400}}
 
 
 def rayservice(config: dict, s: RenderSettings) -> dict:
@@ -162,6 +180,7 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
                 "containers": [_container(s, "ray-worker", {
                     "cpu": s.worker_cpu, "memory": s.worker_memory, "nvidia.com/gpu": str(s.gpus_per_worker)},
                     [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(niceness)])],
+                "volumes": [_keys_volume(s)],
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             }},
         })
@@ -172,12 +191,17 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
             "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False, width=120),
             "rayClusterConfig": {
                 "rayVersion": s.ray_version,
+                "authOptions": {"mode": "token"},
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 600},
                 "headGroupSpec": {
+                    # the dashboard listens on the pod's address for KubeRay and job submitters; the
+                    # NetworkPolicy (networkpolicy.yaml) and token auth keep everyone else out
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-                    "template": {"spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
-                                                                    head_ports, [dict(niceness)])]}},
+                    "template": {"metadata": {"labels": _head_labels(s)},
+                                 "spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
+                                                                    head_ports, [dict(niceness)])],
+                                          "volumes": [_keys_volume(s)]}},
                 },
                 "workerGroupSpecs": workers,
             },
@@ -193,7 +217,7 @@ def rayjob(s: RenderSettings) -> dict:
     head = _container(s, "ray-head", {"cpu": "2", "memory": "4Gi"}, [{"containerPort": 8265, "name": "dashboard"}])
     head["env"].append({"name": "POOLSERVE_KEY", "valueFrom": {"secretKeyRef": {
         "name": f"{s.name}-keys", "key": "batch-team"}}})
-    head["volumeMounts"] = [mount]
+    head["volumeMounts"] = [mount]  # the job needs its tenant's key only, not the key folder
     return {
         "apiVersion": "ray.io/v1", "kind": "RayJob",
         "metadata": {"name": f"{s.name}-batch", "labels": {"app.kubernetes.io/name": s.name}},
@@ -202,10 +226,13 @@ def rayjob(s: RenderSettings) -> dict:
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 3600,
             "backoffLimit": 2,
+            "submissionMode": "HTTPMode",  # the operator submits: no submitter pod needs the dashboard
             "rayClusterSpec": {
                 "rayVersion": s.ray_version,
+                "authOptions": {"mode": "token"},
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0"},
-                                  "template": {"spec": {"containers": [head], "volumes": [volume]}}},
+                                  "template": {"metadata": {"labels": _head_labels(s)},
+                                               "spec": {"containers": [head], "volumes": [volume]}}},
             },
         },
     }
@@ -220,11 +247,32 @@ def podmonitor(s: RenderSettings) -> dict:
     }
 
 
+def networkpolicy(s: RenderSettings) -> dict:
+    """Ingress to poolserve's Ray head pods: the serving port and metrics from anywhere in the
+    cluster; every port (the dashboard's Jobs API among them) only from the pods of a Ray cluster
+    and from KubeRay's operator. Token authentication guards the dashboard behind it."""
+    ray_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/created-by": "kuberay-operator"}}}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kuberay-operator"}}}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": f"{s.name}-head", "labels": {"app.kubernetes.io/name": s.name}},
+        "spec": {
+            "podSelector": {"matchLabels": _head_labels(s)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": 8000, "protocol": "TCP"}, {"port": METRICS_PORT, "protocol": "TCP"}]},
+                {"from": [ray_pods, operator]},
+            ],
+        },
+    }
+
+
 def secret_example(s: RenderSettings, config: dict) -> dict:
     keys = {t["name"]: f"sk-{t['name']}-CHANGE-ME" for t in config["tenants"]}
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": f"{s.name}-keys", "labels": {"app.kubernetes.io/name": s.name}},
-            "stringData": {**keys, "hf-token": "hf_CHANGE-ME"}}
+            "stringData": {**keys, "admin": "sk-admin-CHANGE-ME", "hf-token": "hf_CHANGE-ME"}}
 
 
 def batch_pvc(s: RenderSettings) -> dict:
@@ -235,7 +283,8 @@ def batch_pvc(s: RenderSettings) -> dict:
 
 def kustomization(s: RenderSettings) -> dict:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": ["secret-example.yaml", "batch-pvc.yaml", "rayservice.yaml", "podmonitor.yaml"],
+            # no Secret here: applying this would replace the real keys with the example's
+            "resources": ["batch-pvc.yaml", "rayservice.yaml", "podmonitor.yaml", "networkpolicy.yaml"],
             "configMapGenerator": [{"name": f"{s.name}-dashboard", "files": ["dashboards/poolserve.json"],
                                     "options": {"labels": {"grafana_dashboard": "1"}}}]}
 
@@ -261,7 +310,10 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
         "rayservice.yaml": doc(rayservice(config, s)),
         "rayjob-batch.yaml": doc(rayjob(s)),
         "podmonitor.yaml": doc(podmonitor(s)),
-        "secret-example.yaml": doc(secret_example(s, config)),
+        "networkpolicy.yaml": doc(networkpolicy(s)),
+        "secret-example.yaml": "# An example of the Secret the router reads its keys from; never applied by the kustomization.\n"
+                               "# Create your own: see docs/kubernetes.md (poolserve validate refuses these values).\n"
+                               + doc(secret_example(s, config)),
         "batch-pvc.yaml": doc(batch_pvc(s)),
         "kustomization.yaml": doc(kustomization(s)),
         "dashboards/poolserve.json": json.dumps(dashboard(), indent=2) + "\n",

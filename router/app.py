@@ -25,7 +25,7 @@ from infra.loops import Loops
 from infra.metrics import RouterMetrics
 from pools.types import Admitted, CallKind, PoolCall, PriorityClass
 from router.admin import Admin
-from router.auth import Auth
+from router.auth import Auth, keys_from_dir
 from router.body import BodyLimits, read_json
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header
@@ -58,7 +58,8 @@ class Router:
         self._controller = controller
         self._routes = {p.name: p for p in settings.pools}
         self._by_prefix = {p.prefix: p.name for p in settings.pools}
-        self._auth = Auth(settings.tenants, c.admin_key_sha256)
+        tenants, admin = keys_from_dir(settings.tenants, c.admin_key_sha256, c.keys_dir)
+        self._auth = Auth(tenants, admin)
         self._limits = BodyLimits(c.max_body_bytes, c.body_timeout_s, c.max_json_depth)
         self._pricer = Pricer(settings.model_id, settings.max_model_len, counter)
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}

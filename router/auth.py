@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from pathlib import Path
 from typing import Mapping
 
 from router.config import TenantConfig
@@ -50,3 +51,20 @@ class Auth:
         key = bearer(headers)
         if key is None or not _matches(key, [self._admin])[0]:
             raise ApiError(401, "invalid_admin_key", "admin endpoints need 'Authorization: Bearer <admin key>'")
+
+
+def keys_from_dir(tenants: tuple[TenantConfig, ...], admin_sha256: str | None, keys_dir: str | None
+                  ) -> tuple[tuple[TenantConfig, ...], str | None]:
+    """Tenants and admin hash with the keys of `keys_dir` (files named after each tenant, and
+    `admin`, as a mounted Secret has them) hashed in; a tenant with no key anywhere is an error."""
+    def read(name: str) -> str | None:
+        path = Path(keys_dir, name) if keys_dir else None
+        key = path.read_text().strip() if path is not None and path.is_file() else ""
+        return sha256_hex(key) if key else None
+
+    out = tuple(t.model_copy(update={"key_sha256": read(t.name) or t.key_sha256}) for t in tenants)
+    missing = [t.name for t in out if t.key_sha256 is None]
+    if missing:
+        raise ValueError(f"no key for tenant(s) {missing}: set tenants[].key_sha256 or put a file named after "
+                         f"each in router.keys_dir ({keys_dir})")
+    return out, read("admin") or admin_sha256

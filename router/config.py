@@ -23,7 +23,9 @@ class QuotaConfig(Frozen):
 
 class TenantConfig(Frozen):
     name: str = Field(description="Tenant name in metrics and logs.")
-    key_sha256: str = Field(description="SHA-256 (hex) of the tenant's API key; the key itself is never stored.")
+    key_sha256: str | None = Field(
+        None, description="SHA-256 (hex) of the tenant's API key; the key itself is never stored. Unset: the key "
+                          "is read at start from `router.keys_dir` (a mounted Secret).")
     pools: tuple[str, ...] = Field(min_length=1, description="Pools this key may use.")
     default_pool: str | None = Field(None, description="Pool for /v1/... (default: the first of `pools`).")
     priority: PriorityName | None = Field(None, description="Default class (default: the pool's).")
@@ -41,8 +43,8 @@ class TenantConfig(Frozen):
 
     @field_validator("key_sha256")
     @classmethod
-    def _hex(cls, v: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{64}", v):
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v):
             raise ValueError("must be 64 lowercase hex digits: the output of "
                              "`printf %s KEY | sha256sum` (or `poolserve hash-key KEY`)")
         return v
@@ -92,7 +94,12 @@ class RouterConfig(Frozen):
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")
     admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
-                                         description="SHA-256 of the admin key; unset disables /admin.")
+                                         description="SHA-256 of the admin key; unset (and no `admin` file in "
+                                                     "`keys_dir`) disables /admin.")
+    keys_dir: str | None = Field(
+        None, description="A folder (a mounted Kubernetes Secret) of files named after tenants, and `admin`, each "
+                          "holding that key: read at start, hashed, and used instead of the hashes in the config, "
+                          "so no key or hash is baked into the Serve config.")
     log_prompts: bool = Field(False, description="Log prompt text (off: only sizes and outcomes are logged).")
     lease_fraction: float = Field(0.1, gt=0, le=1, description="Share of a quota one lease may take.")
     lease_ttl_s: float = Field(5.0, gt=0, description="How often unused lease balances go back to the ledger.")

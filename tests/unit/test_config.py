@@ -173,3 +173,33 @@ def test_engine_processes_get_their_cores_and_skip_the_broken_aot_cache(model_di
     assert env == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # an operator's own choice wins
     assert llm_config(r, r.pools["offline-batch"]).runtime_env["env_vars"]["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+@pytest.mark.parametrize("field", ["router.admin_key_sha256", "tenants.0.key_sha256"])
+def test_a_shipped_example_key_is_refused_where_other_machines_reach_the_router(model_dir, field):
+    from deployments.config import SHIPPED_KEYS
+    from router.auth import sha256_hex
+
+    for example in ("admin-CHANGE-ME", "sk-chat-dev"):
+        assert example in SHIPPED_KEYS
+        reachable = set_path({**base(), "router": {"host": "0.0.0.0"}}, field, sha256_hex(example))
+        with pytest.raises(ConfigError) as info:
+            check(reachable, model_dir)
+        [problem] = [p for p in info.value.problems if p.key == field.replace(".0.", "[0].")]
+        assert repr(example) in problem.message and "poolserve hash-key" in problem.fix
+        local = check(set_path({**base(), "router": {}}, field, sha256_hex(example)), model_dir)  # loopback: a warning
+        assert any(example in w for w in local.warnings)
+
+
+def test_keys_can_come_from_a_mounted_folder_instead_of_the_config(tmp_path):
+    from router.auth import Auth, keys_from_dir
+    from router.config import TenantConfig
+
+    (tmp_path / "acme").write_text("sk-acme-from-the-secret\n")
+    (tmp_path / "admin").write_text("an-admin-key")
+    tenants, admin = keys_from_dir((TenantConfig(name="acme", pools=("p",)),), None, str(tmp_path))
+    auth = Auth(tenants, admin)
+    assert auth.tenant({"authorization": "Bearer sk-acme-from-the-secret"}).name == "acme"
+    auth.admin({"authorization": "Bearer an-admin-key"})
+    with pytest.raises(ValueError, match="no key for tenant"):
+        keys_from_dir((TenantConfig(name="other", pools=("p",)),), None, str(tmp_path))

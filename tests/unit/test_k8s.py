@@ -160,3 +160,43 @@ def test_dashboard_is_valid_grafana_json():
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
         if p["type"] != "row":
             assert p["targets"] and all(t["expr"] for t in p["targets"])
+
+
+def test_no_secret_is_applied_and_no_key_is_baked_into_the_serve_config():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    applied = [doc for name in kustomization["resources"] for doc in yaml.safe_load_all((K8S / name).read_text())]
+    assert not [d for d in applied if d and d.get("kind") == "Secret"]  # the real Secret is never overwritten
+    serve = yaml.safe_load(_service()["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    text = json.dumps(serve)
+    assert "key_sha256" not in text and not __import__("re").search(r"\b[0-9a-f]{64}\b", text)
+    assert serve["router"]["keys_dir"] == "/etc/poolserve/keys"
+
+
+def test_every_pod_that_may_host_the_router_mounts_the_keys_read_only():
+    spec = _service()["spec"]["rayClusterConfig"]
+    for template in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        [volume] = [v for v in template["spec"]["volumes"] if v["name"] == "keys"]
+        assert volume["secret"]["secretName"] == "poolserve-keys" and volume["secret"]["defaultMode"] == 0o400
+        [mount] = [m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "keys"]
+        assert mount == {"name": "keys", "mountPath": "/etc/poolserve/keys", "readOnly": True}
+
+
+def test_the_dashboard_is_guarded_by_token_auth_and_a_network_policy():
+    for doc in (d for _, d in KUBERAY):
+        cluster = doc["spec"].get("rayClusterConfig") or doc["spec"]["rayClusterSpec"]
+        assert cluster["authOptions"] == {"mode": "token"}, doc["kind"]
+        assert cluster["headGroupSpec"]["template"]["metadata"]["labels"] == {"poolserve.io/head": "poolserve"}
+    job = next(d for _, d in KUBERAY if d["kind"] == "RayJob")
+    assert job["spec"]["submissionMode"] == "HTTPMode"  # no submitter pod needs the dashboard
+    policy = yaml.safe_load((K8S / "networkpolicy.yaml").read_text())
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"poolserve.io/head": "poolserve"}
+    open_to_all = [r for r in policy["spec"]["ingress"] if "from" not in r]
+    assert {p["port"] for r in open_to_all for p in r["ports"]} == {8000, 8080}  # not 8265
+    assert all(r.get("from") for r in policy["spec"]["ingress"] if r not in open_to_all)
+
+
+def test_the_example_secret_holds_only_placeholders_that_validation_refuses():
+    from deployments.config import SHIPPED_KEYS
+
+    secret = yaml.safe_load((K8S / "secret-example.yaml").read_text())
+    assert all(v in SHIPPED_KEYS or v == "hf_CHANGE-ME" for v in secret["stringData"].values()), secret
