@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def entrypoint(input_path: str, output_path: str, url: str, pool: str, concurren
              "--url", url, "--pool", pool, "--concurrency", str(concurrency)]
     if key_file:
         parts += ["--key-file", key_file]
-    return " ".join(parts)
+    return shlex.join(parts)  # a path with spaces stays one argument; nothing in it runs
 
 
 def _cmd_submit(a) -> int:

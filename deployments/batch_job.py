@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
 import random
@@ -32,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import quote
 
 ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 RETRY_STATUSES = {429, 503}
@@ -164,11 +166,27 @@ class Progress:
                 f"skipped {self.skipped}, retried {self.retried}) {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
 
 
-class Writer:
-    """Appends whole lines with one write each (O_APPEND): never half a line that counts."""
+class OutputBusy(Exception):
+    """Another job holds the output file."""
+
+
+class Output:
+    """The results file: readable by its owner only, held by one job at a time (an advisory
+    lock, released by the kernel even when the job is killed), appended one whole line per
+    write (O_APPEND), so a crash can tear at most the last line, which a rerun cuts off."""
 
     def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise OutputBusy(f"another job is writing {path}; wait for it, stop it, or choose another output")
+        os.fchmod(self._fd, 0o600)  # also a file an older job left readable
+
+    def completed_ids(self) -> set[str]:
+        return completed_ids(self.path)
 
     def write(self, line: str) -> None:
         os.write(self._fd, line.encode())
@@ -178,12 +196,17 @@ class Writer:
         os.close(self._fd)
 
 
+def request_id(custom_id: str) -> str:
+    """The `x-request-id` header for a custom_id: HTTP headers are ASCII, custom_ids need not be."""
+    return quote(custom_id, safe="")[:256]
+
+
 async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryPolicy, rng: random.Random,
                   progress: Progress, sleep: Callable = asyncio.sleep) -> str:
     import httpx
 
     url = f"{base}/{req.endpoint}"
-    headers = {"Authorization": f"Bearer {key}", "x-request-id": f"{req.custom_id}"}
+    headers = {"Authorization": f"Bearer {key}", "x-request-id": request_id(req.custom_id)}
     for attempt in range(1, policy.max_attempts + 1):
         try:
             r = await client.post(url, json={**req.body, "stream": False}, headers=headers)
@@ -217,12 +240,12 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
               policy: RetryPolicy, progress_every_s: float = 10.0, seed: int = 0) -> Progress:
     import httpx
 
-    done_ids = completed_ids(output)
+    writer = Output(output)  # held before anything is read: a second job on this output stops here
+    done_ids = writer.completed_ids()
     todo = [r for r in requests if r.custom_id not in done_ids]
     progress = Progress(total=len(requests), skipped=len(requests) - len(todo))
     print(f"batch: {len(requests)} requests, {progress.skipped} already in {output}, {len(todo)} to send "
           f"to {base} with concurrency {concurrency}", flush=True)
-    writer = Writer(output)
     rng = random.Random(seed)
     queue: asyncio.Queue[BatchRequest] = asyncio.Queue()
     for r in todo:
@@ -278,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     # `ray job stop` sends SIGTERM: stop at once; every line already written stays valid.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     base = f"{a.url.rstrip('/')}/{a.pool.strip('/')}/v1" if a.pool else f"{a.url.rstrip('/')}/v1"
-    progress = asyncio.run(run(requests, Path(a.output), base, key, a.concurrency,
-                               RetryPolicy(a.max_attempts, cap_s=a.retry_cap), a.progress_every))
+    try:
+        progress = asyncio.run(run(requests, Path(a.output), base, key, a.concurrency,
+                                   RetryPolicy(a.max_attempts, cap_s=a.retry_cap), a.progress_every))
+    except OutputBusy as e:
+        print(f"batch: {e}", file=sys.stderr)
+        return 2
     summary = {"total": progress.total, "done": progress.done, "failed": progress.failed,
                "skipped": progress.skipped, "retried": progress.retried, "output": a.output}
     print("batch summary: " + json.dumps(summary), flush=True)

@@ -123,3 +123,44 @@ def test_bad_line_and_duplicate_id_are_reported_by_the_cli(stack, tmp_path):
     assert "line 3: not valid JSON" in logs
     assert "line 7: duplicate custom_id 'req-0000' (first on line 1)" in logs
     assert "nothing sent" in logs and not out.exists()
+
+
+def test_a_killed_job_resumes_with_every_line_answered_once(stack, tmp_path):
+    """Non-ASCII custom_ids, paths with spaces, a SIGKILL while the job writes, a torn last line,
+    a second job on the same output, and a resume through `poolserve batch submit`."""
+    import signal
+    import stat
+
+    folder = tmp_path / "my batches"
+    folder.mkdir()
+    inp, out = folder / "in put.jsonl", folder / "out put.jsonl"
+    ids = [f"résumé №{i} 🚀" for i in range(60)]
+    inp.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions", "body": {
+        "model": "tiny-llama", "prompt": f"item {c}", "max_tokens": 32, "ignore_eos": True}}) + "\n" for c in ids))
+    job = [sys.executable, "-m", "deployments.batch_job", "--input", str(inp), "--output", str(out),
+           "--url", stack.base_url, "--pool", "offline", "--concurrency", "4"]
+    first = subprocess.Popen(job, env={**CLEAN, "POOLSERVE_KEY": KEYS["batch"]}, cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: out.exists() and len(read_output(out)) >= 10, 120, what="the first results")
+        second = subprocess.run(job, env={**CLEAN, "POOLSERVE_KEY": KEYS["batch"]}, cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and "another job is writing" in second.stderr, second.stderr
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    done = read_output(out)
+    assert 10 <= len(done) < 60
+    with out.open("a") as f:  # a write torn by the kill
+        f.write('{"id": "batch_req_torn", "custom_id": "résumé')
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600  # the owner's only
+
+    run = cli("submit", str(inp), "--output", str(out), "--tenant-key", KEYS["batch"], "--address",
+              stack.dashboard_url, "--url", stack.base_url, "--concurrency", "8", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    resumed = run.stdout.strip().splitlines()[-1]
+    assert "SUCCEEDED" in cli_job_ends(stack, resumed, tmp_path)
+    rows = read_output(out)
+    assert sorted(r["custom_id"] for r in rows) == sorted(ids)  # every line once: none lost, none twice
+    assert all(r["response"]["status_code"] == 200 for r in rows)
+    assert f"{len(done)} already in" in cli("logs", resumed, "--address", stack.dashboard_url, cwd=tmp_path).stdout

@@ -132,3 +132,44 @@ def test_503_forever_gives_up_after_max_attempts():
     out, progress, calls, slept = _run(busy)
     assert len(calls) == 4 and slept == [1.0, 2.0, 4.0] and out["response"]["status_code"] == 503
     assert progress.failed == 1 and progress.retried == 3
+
+
+def test_an_entrypoint_keeps_paths_whole_and_runs_nothing_in_them():
+    import shlex
+
+    from deployments.batch_cli import entrypoint
+
+    crafted = "/data/my batch; touch /tmp/owned.jsonl"
+    cmd = entrypoint(crafted, "/data/out put.jsonl", "http://r", "offline", 8)
+    args = shlex.split(cmd)
+    assert args[args.index("--input") + 1] == crafted and args[args.index("--output") + 1] == "/data/out put.jsonl"
+    assert "touch" not in args  # the whole path is one argument, never a command
+
+
+@pytest.mark.parametrize("custom_id", ["plain-1", "résumé №7", "emoji 🚀", "line\nbreak"])
+def test_any_custom_id_makes_a_valid_header(custom_id):
+    from urllib.parse import unquote
+
+    from deployments.batch_job import request_id
+
+    value = request_id(custom_id)
+    httpx.Headers({"x-request-id": value})  # raises on a value HTTP cannot carry
+    assert value.isascii() and unquote(value) == custom_id
+
+
+def test_the_output_is_held_by_one_job_and_readable_by_its_owner_only(tmp_path):
+    import os
+    import stat
+
+    from deployments.batch_job import Output, OutputBusy
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    os.chmod(out, 0o644)  # left readable by an older job
+    first = Output(out)
+    with pytest.raises(OutputBusy, match="another job is writing"):
+        Output(out)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    first.write(result_line("a", 200, {}, None))
+    first.close()
+    Output(out).close()  # free again once the first job ended
