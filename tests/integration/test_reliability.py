@@ -6,15 +6,18 @@ Tests that kill replicas are marked `disruptive` and run last in the session.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -303,3 +306,107 @@ def test_router_replica_killed(stack):
             return False
     wait_for(served, 180, interval=2, what="a new router replica")
     assert _replica_actor("router").actor_id != victim.actor_id
+
+
+def _healthz(stack) -> dict[str, bool]:
+    return httpx.get(f"{stack.base_url}/healthz", timeout=10).json()["pools"]
+
+
+def _restarted(stack, deployment: str, victim, ready) -> None:
+    """Wait until Serve replaced the killed replica and `ready()` holds on the new one."""
+    def up():
+        try:
+            return ready()
+        except Exception:  # the old replica's callers see errors until the new one answers
+            return False
+    wait_for(up, 180, interval=1, what=f"a new {deployment} replica")
+    assert _replica_actor(deployment).actor_id != victim.actor_id
+
+
+@pytest.mark.disruptive
+def test_restarted_controller_keeps_operator_state_and_stale_views_stop_borrowing(stack):
+    admin = stack.admin_client
+    slo = stack.resolved.config.pools["online-chat"].slo
+    try:
+        admin.pin("offline-batch", 8)
+        admin.pin("online-chat", 8)
+        admin.set_slo("online-chat", 1400, 140)
+        admin.set_lending("offline-batch", False)  # nobody borrows the offline pool: a switch to remember
+        before = admin.pools()
+        stack.wait_idle("online-chat")
+
+        # a controller that stops answering: every router marks its views stale within the
+        # bound, and an offline burst then stays home although the online pool is idle
+        victim = _replica_actor("autoscale-controller")
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not any(_healthz(stack).values()),
+                     stack.resolved.config.router.view_max_age_s + 30, what="routers to mark the views stale")
+            with ThreadPoolExecutor(max_workers=32) as ex:
+                burst = list(ex.map(lambda _: _offline_request(stack), range(32)))
+            assert all(status == 200 for status, _ in burst), burst
+            assert {pool for _, pool in burst} == {"offline-batch"}, "borrowed on a stale view"
+        finally:
+            with contextlib.suppress(ValueError, ProcessLookupError):  # Serve's health check may have been first
+                _kill(victim)
+                os.kill(victim.pid, signal.SIGCONT)
+
+        _restarted(stack, "autoscale-controller", victim, lambda: all(_healthz(stack).values()))
+        after = admin.pools()
+        for pool in ("online-chat", "offline-batch"):
+            assert (after[pool].pinned, after[pool].slo, after[pool].lending) == \
+                (before[pool].pinned, before[pool].slo, before[pool].lending), pool
+        assert after["online-chat"].slo.ttft_p99_ms == 1400 and not after["offline-batch"].lending
+        assert after["offline-batch"].pinned == after["online-chat"].pinned == 8
+    finally:
+        admin.set_lending("offline-batch", True)
+        admin.set_slo("online-chat", slo.ttft_p99_ms, slo.tpot_p99_ms)
+        admin.unpin("online-chat")
+        admin.unpin("offline-batch")
+
+
+def _offline_request(stack) -> tuple[int, str | None]:
+    r = httpx.post(f"{stack.base_url}/offline/v1/completions", timeout=120,
+                   headers={"Authorization": f"Bearer {KEYS['batch']}"},
+                   json={"prompt": "summarise the queue", "max_tokens": 64, "ignore_eos": True})
+    return r.status_code, r.headers.get("x-poolserve-pool")
+
+
+@pytest.mark.disruptive
+def test_restarted_ledger_keeps_the_buckets(stack):
+    """`limited` may spend 1,200 tokens a minute (20 a second). A ledger that restarted with
+    full buckets would let it spend the minute's quota again; this one carries on from where
+    it was."""
+    headers = {"Authorization": f"Bearer {KEYS['limited']}"}
+    url = f"{stack.base_url}/online/v1/chat/completions"
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "ignore_eos": True}
+    with ThreadPoolExecutor(max_workers=8) as ex:  # at once, so the bucket cannot refill meanwhile
+        answers = list(ex.map(lambda _: httpx.post(url, headers=headers, json=body, timeout=120), range(8)))
+    assert 429 in {r.status_code for r in answers}, [r.status_code for r in answers]
+
+    def usage() -> tuple[float, float, dict]:
+        t0 = time.time()
+        r = httpx.get(f"{stack.base_url}/v1/usage", headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        return t0, time.time(), r.json()
+
+    def settled():
+        """The ledger's figures once the router handed its lease back (its sync every
+        `router.lease_ttl_s`): then the ledger holds the whole balance."""
+        t0, t1, u = usage()
+        return (t0, t1, u) if u["held_by_this_router"]["tokens"] == 0 else None
+
+    asked, answered, before = wait_for(settled, 30, what="the router's lease to go back to the ledger")
+    assert before["remaining_tokens"] < 600
+    victim = _replica_actor("quota-ledger")
+    _kill(victim)
+    _restarted(stack, "quota-ledger", victim, lambda: usage()[2])
+    asked_after, answered_after, after = wait_for(settled, 30, what="the lease to go back to the new ledger")
+    rate = 1200 / 60  # a fresh ledger would say 1200
+    low = min(1200, before["remaining_tokens"] + rate * (asked_after - answered))
+    high = min(1200, before["remaining_tokens"] + rate * (answered_after - asked))
+    assert low - 1 <= after["remaining_tokens"] <= high + 1, (before, after, answered_after - asked)
+    assert after["concurrent"] == before["concurrent"]  # slots out to router replicas (idle ones too)
+    r = httpx.post(url, headers=headers, json=body, timeout=120)  # still limited, still served once it refills
+    assert r.status_code in (200, 429) and ("error" in r.json()) == (r.status_code == 429)

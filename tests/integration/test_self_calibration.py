@@ -1,16 +1,26 @@
-"""The embedded default on a machine none of its profiles was measured on (the hardware part of
-the fingerprint overridden with `calibration.hardware`): both pools serve at their fallback
-ranges, calibrate themselves in the background, and a new controller finds their profiles in
+"""The embedded default, started with `poolserve serve` from a clean environment, on a machine
+none of its profiles was measured on (the hardware part of the fingerprint overridden with
+`calibration.hardware`): both pools serve at their fallback ranges, calibrate themselves in
+the background, the console stays quiet at rest, and a new controller finds their profiles in
 the store at once. It runs on a Ray of its own, before the session's stack starts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -51,29 +61,62 @@ def _batch_burst(n: int) -> list[int]:
         return list(ex.map(one, range(n)))
 
 
-def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
-    import ray
-    from ray import serve
+class Console:
+    """`poolserve serve` in a process of its own, with a clean environment (a user's shell);
+    its output lines as they come, with the time each arrived."""
 
+    def __init__(self, config: Path) -> None:
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "poolserve"), "serve", str(config)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=config.parent)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip()))
+
+    def wait_for_line(self, fragment: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(fragment in line for _, line in self.lines):
+            assert self.proc.poll() is None, "poolserve serve exited:\n" + self.text()
+            assert time.monotonic() < deadline, f"no line with {fragment!r} in {timeout} s:\n" + self.text()
+            time.sleep(0.2)
+
+    def since(self, t: float) -> list[str]:
+        return [line for at, line in self.lines if at >= t]
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines[-60:])
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
     from deployments.admin_client import AdminClient
-    from deployments.app import build_app, local_ray_init_kwargs
-    from deployments.config import RayConfig, parse, resolve
 
     hardware = f"cpu:test-machine-{uuid.uuid4().hex[:8]}"
-    resolved = resolve(parse(config(tmp_path, hardware)), REPO)
-    ray.init(include_dashboard=True, dashboard_port=8277, log_to_driver=False,
-             **local_ray_init_kwargs(RayConfig(num_cpus=8, metrics_export_port=METRICS_PORT)))
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config(tmp_path, hardware)))
+    console = Console(tmp_path / "config.yaml")
     try:
+        console.wait_for_line("deploying poolserve", 120)
         started = time.monotonic()
-        serve.run(build_app(resolved), name="poolserve", route_prefix="/")
+        console.wait_for_line("Ctrl-C stops it.", 240)
+        summary = console.text()
+        for name, fallback in (("online-chat", [1, 16]), ("offline-batch", [1, 32])):
+            # the ladder up to limits.start, not batch size 1
+            assert f"safe range {name:<9} {fallback}: calibrating in the background" in summary, summary
         admin = AdminClient(BASE, ADMIN)
-        status = wait_for(lambda: (s := _status(admin)) and all(p.calibration.state != "unknown" for p in s.values())
-                          and s, 60, what="every pool to report")
-        for name, fallback in (("online-chat", (1, 16)), ("offline-batch", (1, 32))):
-            cal = status[name].calibration
-            assert cal.state == "calibrating" and hardware in cal.source, cal
-            assert status[name].safe_range == fallback  # the ladder up to limits.start, not batch size 1
+        for name, s in admin.pools().items():
+            assert s.calibration.state in ("calibrating", "profile") and hardware in s.calibration.source, s
 
         # Batch work arrives while the offline pool's sweep measures a step: the step stops and the
         # pool serves it at its fallback range.
@@ -104,6 +147,12 @@ def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
         print(f"\ncalibrated in {time.monotonic() - started:.0f} s: " +
               ", ".join(f"{n} {list(s.safe_range)} ({s.calibration.detail})" for n, s in status.items()))
 
+        # At rest (reports, views and quota syncs go on several times a second) the console is quiet.
+        quiet_from, wall = time.monotonic(), time.time()
+        time.sleep(10)
+        said = [line for line in console.since(quiet_from) if not _logged_before(line, wall)]
+        assert said == [], "\n".join(said)
+
         # A new controller reads the profiles back from the store: no sweep, at its first reports.
         _kill_controller()
         answered = wait_for(lambda: _status(admin) is not None and time.monotonic(), 120, interval=0.1,
@@ -114,14 +163,32 @@ def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
         for name, s in status.items():
             assert s.calibration.state == "profile" and "profile store" in s.calibration.source, (name, s.calibration)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        code = console.stop()
+    assert code == 0, console.text()
+    wait_for(lambda: not _serve_processes(), 60, what="the replicas to stop with poolserve serve")
+
+
+def _logged_before(line: str, wall: float) -> bool:
+    """A log line forwarded late (Ray's log monitor polls the files) of something that happened
+    before `wall`, such as this test's own last request."""
+    stamp = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", line)
+    return bool(stamp) and datetime.strptime(stamp.group(), "%Y-%m-%d %H:%M:%S,%f").timestamp() < wall
+
+
+def _replicas() -> list[psutil.Process]:
+    """Ray names each actor's process after it (`ray::ServeReplica:<app>:<deployment>`)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any("ServeReplica:poolserve:" in part for part in p.info["cmdline"] or ()):
+                out.append(p)
+    return out
+
+
+def _serve_processes() -> list[str]:
+    return [" ".join(p.info["cmdline"])[:120] for p in _replicas() if p.is_running()]
 
 
 def _kill_controller() -> None:
-    import ray
-    from ray.util.state import list_actors
-
-    [actor] = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-               if a.class_name == "ServeReplica:poolserve:autoscale-controller"]
-    ray.kill(ray.get_actor(actor.name, namespace=actor.ray_namespace), no_restart=True)
+    [actor] = [p for p in _replicas() if any("autoscale-controller" in part for part in p.info["cmdline"])]
+    actor.kill()
