@@ -21,6 +21,7 @@ from autoscale.profile import Profile, load_profile
 from pools.config import Frozen, ModelConfig, PoolConfig, POOL_NAME
 from pools.kv_budget import GIB, KVBudget, ModelShape
 from pools.types import SafeRange
+from router.auth import KEY_FIX
 from router.config import RouterConfig, TenantConfig
 
 
@@ -181,15 +182,11 @@ def _model_shape(config: PoolserveConfig, source: Path) -> ModelShape | None:
 
 # Keys poolserve itself ships, in examples, the development config and the tests: anyone can
 # read them, so a server that other machines reach must not accept them.
-SHIPPED_KEYS = ("poolserve-admin-dev", "sk-chat-dev", "sk-batch-dev", "sk-acme-dev", "test-admin", "sk-test-chat",
-                "sk-test-batch", "sk-test-limited", "sk-test-other", "admin-CHANGE-ME", "sk-chat-team-CHANGE-ME",
-                "sk-batch-team-CHANGE-ME", "sk-admin-CHANGE-ME", "CHANGE-ME")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KEY_FIX = "make one with `poolserve hash-key $(openssl rand -hex 24)` and keep the key itself secret"
 
 
 def _shipped(c: PoolserveConfig, key: str, digest: str | None, out: list[Problem], local: list[str]) -> None:
-    from router.auth import sha256_hex
+    from router.auth import SHIPPED_KEYS, sha256_hex
 
     example = next((k for k in SHIPPED_KEYS if digest == sha256_hex(k)), None)
     if example is None:

@@ -7,9 +7,10 @@ from the same config file the local run uses.
     k8s/rayjob-batch.yaml      RayJob: a batch file from a volume through the router, on its own
                                small CPU cluster, the tenant key from a Secret
     k8s/podmonitor.yaml        Prometheus Operator PodMonitor for Ray's metrics port
-    k8s/networkpolicy.yaml     who may reach the head pods: the serving port and metrics for all; the
-                               dashboard (its Jobs API runs code) only the Ray cluster's own pods and
-                               KubeRay's operator, which submits the batch RayJob (HTTPMode)
+    k8s/networkpolicy.yaml     who may reach poolserve's Ray pods: the serving port and metrics for
+                               all; every other port (the dashboard's Jobs API runs code) only those
+                               clusters' own pods and KubeRay's operator in its namespace
+                               (--operator-namespace), which submits the batch RayJob (HTTPMode)
     k8s/secret-example.yaml    the shape of the Secret `poolserve-keys` (tenant keys, admin key, HF
                                token), which the router reads at start; never applied: create your own
     k8s/batch-pvc.yaml         the volume batch files are read from and written to
@@ -48,6 +49,7 @@ class RenderSettings:
     worker_cpu: str = "8"
     worker_memory: str = "48Gi"
     gpus_per_worker: int = 1
+    operator_namespace: str = "default"  # where KubeRay's operator runs (its Helm chart's namespace)
 
 
 # -- the dashboard ---------------------------------------------------------------------------
@@ -147,8 +149,13 @@ def _container(s: RenderSettings, name: str, resources: dict, ports: list[dict],
             "volumeMounts": [{"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}]}
 
 
-def _head_labels(s: RenderSettings) -> dict:
-    return {"poolserve.io/head": s.name}
+CLUSTER_LABEL = "poolserve.io/cluster"
+
+
+def _cluster_labels(s: RenderSettings, batch: bool = False) -> dict:
+    """Every pod (head and workers) of one of poolserve's Ray clusters: what the NetworkPolicy
+    guards and admits."""
+    return {CLUSTER_LABEL: f"{s.name}-batch" if batch else s.name}
 
 
 def _keys_volume(s: RenderSettings) -> dict:
@@ -176,7 +183,7 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
             "replicas": max(1, r.get("min", 1)), "minReplicas": r.get("min", 1), "maxReplicas": r.get("max", 1),
             "resources": {resource: "1"},
             "rayStartParams": {},
-            "template": {"spec": {
+            "template": {"metadata": {"labels": _cluster_labels(s)}, "spec": {
                 "containers": [_container(s, "ray-worker", {
                     "cpu": s.worker_cpu, "memory": s.worker_memory, "nvidia.com/gpu": str(s.gpus_per_worker)},
                     [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(niceness)])],
@@ -198,7 +205,7 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
                     # the dashboard listens on the pod's address for KubeRay and job submitters; the
                     # NetworkPolicy (networkpolicy.yaml) and token auth keep everyone else out
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-                    "template": {"metadata": {"labels": _head_labels(s)},
+                    "template": {"metadata": {"labels": _cluster_labels(s)},
                                  "spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
                                                                     head_ports, [dict(niceness)])],
                                           "volumes": [_keys_volume(s)]}},
@@ -231,7 +238,7 @@ def rayjob(s: RenderSettings) -> dict:
                 "rayVersion": s.ray_version,
                 "authOptions": {"mode": "token"},
                 "headGroupSpec": {"rayStartParams": {"dashboard-host": "0.0.0.0"},
-                                  "template": {"metadata": {"labels": _head_labels(s)},
+                                  "template": {"metadata": {"labels": _cluster_labels(s, batch=True)},
                                                "spec": {"containers": [head], "volumes": [volume]}}},
             },
         },
@@ -248,21 +255,22 @@ def podmonitor(s: RenderSettings) -> dict:
 
 
 def networkpolicy(s: RenderSettings) -> dict:
-    """Ingress to poolserve's Ray head pods: the serving port and metrics from anywhere in the
-    cluster; every port (the dashboard's Jobs API among them) only from the pods of a Ray cluster
-    and from KubeRay's operator. Token authentication guards the dashboard behind it."""
-    ray_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/created-by": "kuberay-operator"}}}
-    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "kuberay-operator"}}}
+    """Ingress to every pod of poolserve's Ray clusters: the serving port and metrics from
+    anywhere in the cluster; every other port (the dashboard's Jobs API, the GCS, Ray's own
+    ports among them) only from those clusters' own pods and from KubeRay's operator in its
+    namespace. Token authentication guards the dashboard behind it."""
+    ours = {"key": CLUSTER_LABEL, "operator": "In", "values": [s.name, f"{s.name}-batch"]}
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": s.operator_namespace}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": f"{s.name}-head", "labels": {"app.kubernetes.io/name": s.name}},
+        "metadata": {"name": f"{s.name}-ray", "labels": {"app.kubernetes.io/name": s.name}},
         "spec": {
-            "podSelector": {"matchLabels": _head_labels(s)},
+            "podSelector": {"matchExpressions": [ours]},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"ports": [{"port": 8000, "protocol": "TCP"}, {"port": METRICS_PORT, "protocol": "TCP"}]},
-                {"from": [ray_pods, operator]},
+                {"from": [{"podSelector": {"matchExpressions": [ours]}}, operator]},
             ],
         },
     }
@@ -312,7 +320,7 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
         "podmonitor.yaml": doc(podmonitor(s)),
         "networkpolicy.yaml": doc(networkpolicy(s)),
         "secret-example.yaml": "# An example of the Secret the router reads its keys from; never applied by the kustomization.\n"
-                               "# Create your own: see docs/kubernetes.md (poolserve validate refuses these values).\n"
+                               "# Create your own: see docs/kubernetes.md (the router refuses to start with these values).\n"
                                + doc(secret_example(s, config)),
         "batch-pvc.yaml": doc(batch_pvc(s)),
         "kustomization.yaml": doc(kustomization(s)),
@@ -321,7 +329,7 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
 
 
 def _cmd_render(a) -> int:
-    s = RenderSettings(name=a.name, image=a.image)
+    s = RenderSettings(name=a.name, image=a.image, operator_namespace=a.operator_namespace)
     files = render(a.config, s)
     out = Path(a.out)
     drift = []
@@ -348,5 +356,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default="k8s")
     r.add_argument("--name", default=RenderSettings.name)
     r.add_argument("--image", default=RenderSettings.image)
+    r.add_argument("--operator-namespace", default=RenderSettings.operator_namespace,
+                   help="the namespace KubeRay's operator runs in: the NetworkPolicy admits it from there only")
     r.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ")
     r.set_defaults(fn=_cmd_render)

@@ -53,13 +53,28 @@ class Auth:
             raise ApiError(401, "invalid_admin_key", "admin endpoints need 'Authorization: Bearer <admin key>'")
 
 
+# Keys this project ships in examples, test configs and the embedded default: never a real key.
+SHIPPED_KEYS = ("poolserve-admin-dev", "sk-chat-dev", "sk-batch-dev", "sk-acme-dev", "test-admin", "sk-test-chat",
+                "sk-test-batch", "sk-test-limited", "sk-test-other", "admin-CHANGE-ME", "sk-chat-team-CHANGE-ME",
+                "sk-batch-team-CHANGE-ME", "sk-admin-CHANGE-ME", "CHANGE-ME")
+KEY_FIX = "make one with `poolserve hash-key $(openssl rand -hex 24)` and keep the key itself secret"
+
+
+def shipped(key: str) -> bool:
+    return key in SHIPPED_KEYS or "CHANGE-ME" in key
+
+
 def keys_from_dir(tenants: tuple[TenantConfig, ...], admin_sha256: str | None, keys_dir: str | None
                   ) -> tuple[tuple[TenantConfig, ...], str | None]:
     """Tenants and admin hash with the keys of `keys_dir` (files named after each tenant, and
-    `admin`, as a mounted Secret has them) hashed in; a tenant with no key anywhere is an error."""
+    `admin`, as a mounted Secret has them) hashed in; a tenant with no key anywhere, or a key
+    the project ships as an example, is an error."""
     def read(name: str) -> str | None:
         path = Path(keys_dir, name) if keys_dir else None
         key = path.read_text().strip() if path is not None and path.is_file() else ""
+        if key and shipped(key):
+            raise ValueError(f"{path} holds an example key poolserve ships, which anyone can read: replace it in "
+                             f"the Secret ({KEY_FIX.replace('make one', 'make a key')})")
         return sha256_hex(key) if key else None
 
     out = tuple(t.model_copy(update={"key_sha256": read(t.name) or t.key_sha256}) for t in tenants)

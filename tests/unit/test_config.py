@@ -177,8 +177,7 @@ def test_engine_processes_get_their_cores_and_skip_the_broken_aot_cache(model_di
 
 @pytest.mark.parametrize("field", ["router.admin_key_sha256", "tenants.0.key_sha256"])
 def test_a_shipped_example_key_is_refused_where_other_machines_reach_the_router(model_dir, field):
-    from deployments.config import SHIPPED_KEYS
-    from router.auth import sha256_hex
+    from router.auth import SHIPPED_KEYS, sha256_hex
 
     for example in ("admin-CHANGE-ME", "sk-chat-dev"):
         assert example in SHIPPED_KEYS
@@ -203,3 +202,19 @@ def test_keys_can_come_from_a_mounted_folder_instead_of_the_config(tmp_path):
     auth.admin({"authorization": "Bearer an-admin-key"})
     with pytest.raises(ValueError, match="no key for tenant"):
         keys_from_dir((TenantConfig(name="other", pools=("p",)),), None, str(tmp_path))
+
+
+def test_a_mounted_secret_holding_the_shipped_example_values_is_refused(tmp_path):
+    """The manifests read keys from the Secret at start, where `poolserve validate` never looks:
+    the router refuses to start on the example Secret's values, naming the file."""
+    from router.auth import keys_from_dir
+    from router.config import TenantConfig
+
+    example = yaml.safe_load((REPO / "k8s" / "secret-example.yaml").read_text())["stringData"]
+    for name in ("chat-team", "admin"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "chat-team").write_text("a-real-key-1" if name == "admin" else example[name])
+        (folder / "admin").write_text(example["admin"] if name == "admin" else "a-real-admin-key")
+        with pytest.raises(ValueError, match=f"{folder / name}.*example key.*poolserve hash-key"):
+            keys_from_dir((TenantConfig(name="chat-team", pools=("p",)),), None, str(folder))

@@ -181,22 +181,69 @@ def test_every_pod_that_may_host_the_router_mounts_the_keys_read_only():
         assert mount == {"name": "keys", "mountPath": "/etc/poolserve/keys", "readOnly": True}
 
 
+def _selects(selector: dict, labels: dict) -> bool:
+    """Kubernetes label-selector semantics (matchLabels, matchExpressions with In / Exists)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+        if e["operator"] == "Exists" and e["key"] not in labels:
+            return False
+    return True
+
+
+def _admits(policy: dict, target: dict, source: dict, port: int) -> bool:
+    """Whether a NetworkPolicy lets `source` reach `target` on `port` (pods as {"labels",
+    "namespace"}, both in the policy's namespace unless named; a pod it does not select is
+    not its business)."""
+    if not _selects(policy["spec"]["podSelector"], target["labels"]):
+        return True
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            ns_ok = (_selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source["namespace"]})
+                     if "namespaceSelector" in peer else source["namespace"] == "poolserve-ns")
+            if ns_ok and _selects(peer.get("podSelector", {}), source["labels"]):
+                return True
+    return False
+
+
 def test_the_dashboard_is_guarded_by_token_auth_and_a_network_policy():
+    templates = []
     for doc in (d for _, d in KUBERAY):
         cluster = doc["spec"].get("rayClusterConfig") or doc["spec"]["rayClusterSpec"]
         assert cluster["authOptions"] == {"mode": "token"}, doc["kind"]
-        assert cluster["headGroupSpec"]["template"]["metadata"]["labels"] == {"poolserve.io/head": "poolserve"}
+        templates += [cluster["headGroupSpec"]["template"]] + [w["template"] for w in
+                                                               cluster.get("workerGroupSpecs", [])]
     job = next(d for _, d in KUBERAY if d["kind"] == "RayJob")
     assert job["spec"]["submissionMode"] == "HTTPMode"  # no submitter pod needs the dashboard
     policy = yaml.safe_load((K8S / "networkpolicy.yaml").read_text())
-    assert policy["spec"]["podSelector"]["matchLabels"] == {"poolserve.io/head": "poolserve"}
-    open_to_all = [r for r in policy["spec"]["ingress"] if "from" not in r]
-    assert {p["port"] for r in open_to_all for p in r["ports"]} == {8000, 8080}  # not 8265
-    assert all(r.get("from") for r in policy["spec"]["ingress"] if r not in open_to_all)
+
+    def pod(labels: dict, namespace: str = "poolserve-ns") -> dict:
+        return {"labels": labels, "namespace": namespace}
+    stranger = pod({"app": "someone-else"})
+    operator = pod({"app.kubernetes.io/name": "kuberay-operator"}, "default")
+    impostor = pod({"app.kubernetes.io/name": "kuberay-operator"}, "someone-elses-namespace")
+    other_ray = pod({"app.kubernetes.io/created-by": "kuberay-operator", "ray.io/cluster": "another"})
+    for template in templates:  # every pod of poolserve's clusters, heads and workers
+        ours = pod(template["metadata"]["labels"])
+        assert _selects(policy["spec"]["podSelector"], ours["labels"]), template["metadata"]
+        for port in (8000, 8080):
+            assert _admits(policy, ours, stranger, port)
+        for port in (8265, 6379, 10001):  # the Jobs API, the GCS, the client server
+            assert not _admits(policy, ours, stranger, port)
+            assert not _admits(policy, ours, impostor, port)
+            assert not _admits(policy, ours, other_ray, port)
+            assert _admits(policy, ours, operator, port)
+            assert all(_admits(policy, ours, pod(t["metadata"]["labels"]), port) for t in templates)
 
 
 def test_the_example_secret_holds_only_placeholders_that_validation_refuses():
-    from deployments.config import SHIPPED_KEYS
+    from router.auth import SHIPPED_KEYS
 
     secret = yaml.safe_load((K8S / "secret-example.yaml").read_text())
     assert all(v in SHIPPED_KEYS or v == "hf_CHANGE-ME" for v in secret["stringData"].values()), secret
