@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -196,9 +197,21 @@ class Output:
         os.close(self._fd)
 
 
-def request_id(custom_id: str) -> str:
-    """The `x-request-id` header for a custom_id: HTTP headers are ASCII, custom_ids need not be."""
-    return quote(custom_id, safe="")[:256]
+def request_id(custom_id: str, limit: int = 256) -> str:
+    """The `x-request-id` header for a custom_id: HTTP headers are ASCII, custom_ids need not be.
+    One too long to quote whole keeps its start and ends in a digest of all of it, so two long
+    ids never share a request id and no escape is cut in half."""
+    quoted = quote(custom_id, safe="")
+    if len(quoted) <= limit:
+        return quoted
+    digest = hashlib.sha256(custom_id.encode()).hexdigest()[:16]
+    head, room = "", limit - len(digest) - 1
+    for ch in custom_id:  # whole characters, so that no escape or UTF-8 sequence is cut
+        part = quote(ch, safe="")
+        if len(head) + len(part) > room:
+            break
+        head += part
+    return f"{head}~{digest}"
 
 
 async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryPolicy, rng: random.Random,

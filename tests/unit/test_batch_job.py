@@ -157,6 +157,20 @@ def test_any_custom_id_makes_a_valid_header(custom_id):
     assert value.isascii() and unquote(value) == custom_id
 
 
+def test_long_custom_ids_get_distinct_request_ids_with_whole_escapes():
+    from urllib.parse import unquote
+
+    from deployments.batch_job import request_id
+
+    ids = ["é" * 200 + "a", "é" * 200 + "b", "x" * 300, "x" * 299 + "é"]
+    values = [request_id(c) for c in ids]
+    assert len(set(values)) == len(ids)
+    for c, v in zip(ids, values):
+        httpx.Headers({"x-request-id": v})
+        assert v.isascii() and len(v) <= 256
+        assert c.startswith(unquote(v.rsplit("~", 1)[0]))  # a whole prefix: no escape cut in half
+
+
 def test_the_output_is_held_by_one_job_and_readable_by_its_owner_only(tmp_path):
     import os
     import stat
