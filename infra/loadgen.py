@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -278,8 +279,8 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
                     await asyncio.sleep(delay)
                 p, o = lengths.pairs[i % len(lengths.pairs)] if rate is None else lengths.sample(rng)
 
-                async def one(p=p, o=o):
-                    res = Result(start=time.monotonic())
+                async def one(p=p, o=o, at=at):
+                    res = Result(start=time.monotonic(), scheduled=t0 + at)
                     results.append(res)
                     try:
                         await send(client, target, make_prompt(p, rng), o, res)
@@ -298,6 +299,17 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
     label = f"poisson {rate}/s" if rate is not None else f"trace x{speedup}"
     return Run(results, t0 + window.warmup_s, window.measure_s, lag.summary(), label, len(times),
                timeout_s=timeout_s)
+
+
+def write_raw(path: str | Path, results: list[Result]) -> None:
+    with gzip.open(path, "wt") as f:
+        for r in results:
+            f.write(json.dumps(asdict(r)) + "\n")
+
+
+def read_raw(path: str | Path) -> list[Result]:
+    with gzip.open(path, "rt") as f:
+        return [Result(**json.loads(line)) for line in f if line.strip()]
 
 
 # -- CLI: one traffic class per process ---------------------------------------------
@@ -331,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain", type=float, help="open loop: seconds to wait after the window for requests still "
                                                "running; then they are cancelled (timeouts, lower bounds)")
     p.add_argument("--abandon", action="store_true", help="closed loop: cancel what still runs at the end")
+    p.add_argument("--raw", help="also write every request's timings here (JSON lines, gzip; times are "
+                                 "time.monotonic(), which every process on the machine shares)")
     a = p.parse_args(argv)
     lengths = trace_lengths(a.max_model_len) if a.trace else synthetic_lengths(a.prompt, a.output, a.spread,
                                                                                seed=a.seed)
@@ -348,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"mode": run.mode, "load": run.load, "lengths": lengths.source, **run.summary(*slo).to_json()}
     if a.split:
         out["windows"] = [w.summary(*slo).to_json() for w in run.split([float(x) for x in a.split.split(",")])]
+    out["window"] = {"from": run.measure_from, "seconds": run.measure_s}
+    if a.raw:
+        write_raw(a.raw, run.results)
     text = json.dumps(out, indent=2)
     if a.out:
         Path(a.out).write_text(text + "\n")

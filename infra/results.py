@@ -20,6 +20,7 @@ class Result:
     borrowed: bool = False
     retry_after: str | None = None
     server_timing: dict[str, float] = field(default_factory=dict)  # poolserve's router: ms per step
+    scheduled: float | None = None  # open loop: when the schedule said to send it (start is when it was)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,140 @@
+"""The set-ups the ceiling benchmark compares, each as a user would deploy it, with the same
+engine ceilings, cores, stream batching and CPU priority: poolserve, stock ray.serve.llm (two
+pools, or one), vLLM's own OpenAI server. See bench/ceiling.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench import procs
+from bench.common import KEYS, deploy, local_config, variant
+
+ONLINE_SEQS, OFFLINE_SEQS, OFFLINE_NICE = 16, 32, 10
+CEILING_SEQS = 64
+VLLM_PORT = 8100
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    online_url: str
+    offline_url: str
+    online_key: str = "none"
+    offline_key: str = "none"
+    online_model: str = "tiny-llama"
+    offline_model: str = "tiny-llama"
+
+
+def model() -> str:
+    return local_config()["model"]["source"]
+
+
+def poolserve():
+    """The embedded default, without calibration sweeps (the bench pins its limits)."""
+    cfg = local_config()
+    for pool in cfg["pools"]:
+        cfg = variant(cfg, **{f"pools.{pool}.calibration.mode": "fallback"})
+    stack = deploy(cfg)
+    target = Target("poolserve", f"{stack.base_url}/online/v1", f"{stack.base_url}/offline/v1",
+                    KEYS["chat"], KEYS["batch"])
+    return target, stack
+
+
+def pin(stack, online: int, offline: int) -> None:
+    # calibrating=True lets a pin leave the safe range; it also stops borrowing, which the
+    # stock set-ups have not
+    stack.admin.pin("online-chat", online, calibrating=True)
+    stack.admin.pin("offline-batch", offline, calibrating=True)
+
+
+def _llm_config(model_id: str, seqs: int, batched: int, core: str, stream_batching_ms: float):
+    """A stock pool with poolserve's engine ceilings, cores and stream batching; the
+    deployment options are ray.serve.llm's defaults."""
+    from ray.serve.llm import LLMConfig
+
+    from deployments.app import engine_env
+
+    return LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": model()},
+        engine_kwargs={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": seqs,
+                       "max_num_batched_tokens": batched, "enable_chunked_prefill": True,
+                       "kv_cache_memory_bytes": 1 << 30},
+        accelerator_config={"kind": "cpu"},
+        runtime_env={"env_vars": {**engine_env(), "VLLM_CPU_OMP_THREADS_BIND": core}},
+        experimental_configs={"stream_batching_interval_ms": stream_batching_ms},
+    )
+
+
+def _deploy_stock(name: str, configs: list) -> str:
+    from ray import serve
+    from ray.serve.llm import build_openai_app
+
+    serve.run(build_openai_app({"llm_configs": configs}), name=name, route_prefix=f"/{name}")
+    url = f"http://127.0.0.1:8000/{name}/v1"
+    for c in configs:
+        _warm(url, c.model_id, "none")
+    return url
+
+
+def stock_two_pools() -> Target:
+    from pools.nice import renice
+    from pools.reaper import descendants, engine_children
+
+    cfg = local_config()["pools"]
+    url = _deploy_stock("stock", [
+        _llm_config("tiny-llama-online", ONLINE_SEQS, 2048, "0", cfg["online-chat"]["stream_batching_ms"]),
+        _llm_config("tiny-llama-offline", OFFLINE_SEQS, 4096, "1", cfg["offline-batch"]["stream_batching_ms"])])
+    [replica] = [pid for pid, role in procs.snapshot().roles.items()
+                 if role == "replica stock:LLMServer:tiny-llama-offline"]
+    engines = descendants([pid for pid, _ in engine_children(replica)])
+    assert engines and renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
+    return Target("stock-two-pools", url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
+
+
+def stock_one_pool() -> str:
+    cfg = local_config()["pools"]["offline-batch"]
+    return _deploy_stock("stock-one", [_llm_config("tiny-llama", CEILING_SEQS, 4096, "1", cfg["stream_batching_ms"])])
+
+
+def engine_env(core: str) -> dict:
+    from deployments.app import engine_env
+
+    return {**os.environ, **engine_env(), "VLLM_CPU_OMP_THREADS_BIND": core}
+
+
+def vllm_server(log: Path) -> subprocess.Popen:
+    """vLLM's own OpenAI server with the same engine, on core 1, its output in `log`."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model(),
+             "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(VLLM_PORT),
+             "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(CEILING_SEQS),
+             "--max-num-batched-tokens", "4096", "--enable-chunked-prefill", "--kv-cache-memory-bytes",
+             str(1 << 30), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"],
+            env=engine_env("1"), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{VLLM_PORT}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's server did not start: {log.read_text()[-2000:]}")
+        time.sleep(1)
+    _warm(f"http://127.0.0.1:{VLLM_PORT}/v1", "tiny-llama", "none")
+    return proc
+
+
+def _warm(url: str, model: str, key: str) -> None:
+    for i in range(8):
+        r = httpx.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                       json={"model": model, "prompt": "warm " * (1 + 16 * i), "max_tokens": 8})
+        r.raise_for_status()
