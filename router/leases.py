@@ -95,7 +95,7 @@ class QuotaClient:
         """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
         QuotaExceeded with an honest retry-after, or QuotaUnavailable."""
         self._ensure_syncer()
-        result = self._book.try_charge(tenant, tokens, new_request)
+        result = self._book.try_charge(tenant, tokens, new_request, self._clock())
         if isinstance(result, Charge):
             return result
         result = await self._refill_and_charge(tenant, tokens, new_request)
@@ -114,15 +114,16 @@ class QuotaClient:
         A charge refused after that names the limit that ran short, never a lost race."""
         async with self._locks[tenant]:
             for _ in range(self.MAX_REFILLS):
-                need = self._book.try_charge(tenant, tokens, new_request)
+                need = self._book.try_charge(tenant, tokens, new_request, self._clock())
                 if isinstance(need, Charge):  # another request's refill covered this one too
                     return need
-                if (denied := self._book.add(tenant, await self._grant(tenant, need), self._clock())) is not None:
+                sent = self._clock()  # the ledger's word is as fresh as the question, not the answer's arrival
+                if (denied := self._book.add(tenant, await self._grant(tenant, need, sent), sent)) is not None:
                     return denied
-            result = self._book.try_charge(tenant, tokens, new_request)
+            result = self._book.try_charge(tenant, tokens, new_request, self._clock())
             return result if isinstance(result, Charge) else self._book.short(tenant, result)
 
-    async def _grant(self, tenant: str, need: Need) -> Grant:
+    async def _grant(self, tenant: str, need: Need, sent: float) -> Grant:
         """The ledger's grant. A caller that leaves meanwhile still waits for the answer, under
         the tenant's lock, so that no sync reports this replica's slots without the grant;
         what the ledger granted goes into the lease for the next request."""
@@ -132,7 +133,7 @@ class QuotaClient:
         except asyncio.CancelledError:
             await _outlast(call)
             if not call.cancelled() and call.exception() is None:
-                self._book.add(tenant, call.result(), self._clock())
+                self._book.add(tenant, call.result(), sent)
             raise
         except Exception as e:
             raise QuotaUnavailable(f"{type(e).__name__}: {e}") from e
@@ -169,13 +170,14 @@ class QuotaClient:
         for tenant, lock in self._locks.items():
             async with lock:
                 req, tok, held = self._book.surplus(tenant)
+                sent = self._clock()
                 try:
                     grant = await asyncio.shield(self._remote("settle", tenant, self._holder, req, tok, held))
                 except Exception as e:  # ledger away
                     log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
                     self._book.owe(tenant, min(0.0, tok))
                     continue
-                self._book.add(tenant, grant, self._clock())
+                self._book.add(tenant, grant, sent)
 
     async def _sync_loop(self) -> None:
         while True:

@@ -20,14 +20,22 @@ is debited (a balance may go below zero; the next grant pays the debt). Unused b
 back to the ledger at each sync, so other replicas can spend them, and each sync tells the
 ledger how many slots the replica holds in all (not a difference), so a lost call never
 leaks a slot for good.
+
+A replica that stops reaching the ledger for `HOLDER_TTL_S` is taken for dead: its slots go
+back to the other replicas. So that a replica that is alive but cut off cannot keep starting
+requests on slots the ledger gave away, its idle slots are spent only while its lease is
+fresh (the ledger answered it within `LEASE_FRESH_S`); after that a new request waits for a
+grant. Requests already running keep their slots: the bound holds except for those.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 INF = math.inf
+HOLDER_TTL_S = 30.0  # the ledger takes back the slots of a replica it has not heard from for this long
+LEASE_FRESH_S = HOLDER_TTL_S / 2  # a replica spends idle slots only this long after the ledger's answer
 
 
 @dataclass
@@ -103,6 +111,7 @@ class Grant:
     limit: str = ""  # which limit refused: "requests" | "tokens" | "concurrency" | "too_large"
     remaining_requests: float = INF
     remaining_tokens: float = INF
+    slots_allowed: int | None = None  # the slots the holder may hold in all, as the ledger counts them
 
     @property
     def granted(self) -> bool:
@@ -121,7 +130,7 @@ class _TenantAccount:
 class QuotaLedger:
     """The cluster-wide truth about every tenant's quota (one instance, one actor)."""
 
-    def __init__(self, quotas: dict[str, Quota], now: float, holder_ttl_s: float = 30.0) -> None:
+    def __init__(self, quotas: dict[str, Quota], now: float, holder_ttl_s: float = HOLDER_TTL_S) -> None:
         self._holder_ttl_s = holder_ttl_s
         self._accounts = {
             name: _TenantAccount(q, TokenBucket.per_minute(q.requests_per_min, now),
@@ -135,19 +144,21 @@ class QuotaLedger:
         self._expire_holders(acct, now)
         refusal = self._refusal(acct, need, now)
         if refusal is not None:
-            return refusal
+            return replace(refusal, slots_allowed=self._held(acct, holder))
         req = self._take(acct.requests, need.requests, need.extra_requests, now)
         tok = self._take(acct.tokens, need.tokens, need.extra_tokens, now)
         free = self._free_slots(acct)
         slots = 0 if free == INF else need.slots + min(need.extra_slots, max(0, int(free) - need.slots))
         if slots:
             acct.slots_out[holder] = acct.slots_out.get(holder, 0) + slots
-        return Grant(req, tok, slots, 0.0, "", *self._remaining(acct, now))
+        return Grant(req, tok, slots, 0.0, "", *self._remaining(acct, now), slots_allowed=self._held(acct, holder))
 
     def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots_held: int,
                now: float) -> Grant:
         """Take back unused requests and tokens (negative tokens: a debt, debited), and record
-        how many slots the holder now holds in all; report what remains."""
+        how many slots the holder now holds in all; report what remains, and how many slots
+        the holder may keep: fewer than it holds when the ledger gave its slots away (it had
+        not heard from it for `holder_ttl_s`), so that idle ones are not spent twice."""
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         if acct.requests is not None and requests > 0:
@@ -156,9 +167,12 @@ class QuotaLedger:
             acct.tokens.give_back(tokens, now)
         elif acct.tokens is not None and tokens < 0:
             acct.tokens.debit(-tokens, now)
+        allowed = None
         if acct.quota.max_concurrent is not None:
-            acct.slots_out[holder] = max(0, slots_held)
-        return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now))
+            others = sum(n for h, n in acct.slots_out.items() if h != holder)
+            allowed = max(0, min(slots_held, acct.quota.max_concurrent - others))
+            acct.slots_out[holder] = max(0, slots_held)  # running requests count, over the limit or not
+        return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now), slots_allowed=allowed)
 
     def export(self, tenant: str) -> dict:
         """A tenant's account as a JSON-able document (bucket levels at their update times,
@@ -212,6 +226,11 @@ class QuotaLedger:
         bucket.take(bonus, now)
         return n + bonus
 
+    @staticmethod
+    def _held(acct: _TenantAccount, holder: str) -> int | None:
+        """The slots the ledger counts for `holder` (None: no concurrency limit)."""
+        return None if acct.quota.max_concurrent is None else acct.slots_out.get(holder, 0)
+
     def _free_slots(self, acct: _TenantAccount) -> float:
         if acct.quota.max_concurrent is None:
             return INF
@@ -241,6 +260,7 @@ class Lease:
     remaining_requests: float = INF  # the ledger's figure at the last exchange
     remaining_tokens: float = INF
     synced_at: float = -INF
+    slots_cap: float = INF  # the slots the ledger last said this replica may hold in all
 
 
 @dataclass(frozen=True)
@@ -289,8 +309,14 @@ class LeaseBook:
             extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
         )
 
-    def try_charge(self, tenant: str, tokens: int, new_request: bool = True) -> Charge | Need:
-        """Charge from the lease: one request and one slot (`new_request`) and `tokens`."""
+    def try_charge(self, tenant: str, tokens: int, new_request: bool = True,
+                   now: float | None = None) -> Charge | Need:
+        """Charge from the lease: one request and one slot (`new_request`) and `tokens`. With
+        `now`, idle slots held past `LEASE_FRESH_S` since the ledger's last answer are dropped
+        first (the ledger may have given them away)."""
+        lease = self._leases[tenant]
+        if now is not None and lease.slots_free and now - lease.synced_at > LEASE_FRESH_S:
+            lease.slots_free = 0
         need = self.need(tenant, tokens, new_request)
         if need is not None:
             return need
@@ -304,19 +330,25 @@ class LeaseBook:
             lease.slots_used += 1
         return Charge(tenant, tokens)
 
-    def add(self, tenant: str, grant: Grant, now: float) -> Denied | None:
+    def add(self, tenant: str, grant: Grant, asked_at: float) -> Denied | None:
+        """Take the ledger's answer to a question asked at `asked_at` (the lease is fresh from
+        then: an answer that arrives late is no fresher than its question)."""
         lease = self._leases[tenant]
         lease.remaining_requests, lease.remaining_tokens = grant.remaining_requests, grant.remaining_tokens
-        lease.synced_at = now
+        lease.synced_at = asked_at
+        q = self._quotas[tenant]
+        if grant.granted:
+            if q.requests_per_min is not None:
+                lease.requests += grant.requests
+            if q.tokens_per_min is not None:
+                lease.tokens += grant.tokens
+            lease.slots_free += grant.slots
+        if grant.slots_allowed is not None:  # slots the ledger gave away are not spent here
+            lease.slots_cap = grant.slots_allowed
+            lease.slots_free = min(lease.slots_free, max(0, grant.slots_allowed - lease.slots_used))
         if not grant.granted:
             return Denied(grant.limit, grant.retry_after_s, self.remaining_requests(tenant),
                           self.remaining_tokens(tenant))
-        q = self._quotas[tenant]
-        if q.requests_per_min is not None:
-            lease.requests += grant.requests
-        if q.tokens_per_min is not None:
-            lease.tokens += grant.tokens
-        lease.slots_free += grant.slots
         return None
 
     def finish(self, charge: Charge, used_tokens: int | None) -> None:
@@ -326,7 +358,8 @@ class LeaseBook:
         q, lease = self._quotas[charge.tenant], self._leases[charge.tenant]
         if q.max_concurrent is not None:
             lease.slots_used -= 1
-            lease.slots_free += 1
+            if lease.slots_used + lease.slots_free < lease.slots_cap:  # else it goes back at the next sync
+                lease.slots_free += 1
         if q.tokens_per_min is not None and used_tokens is not None:
             lease.tokens += charge.tokens - used_tokens
 
