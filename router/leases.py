@@ -95,6 +95,8 @@ class QuotaClient:
         """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
         QuotaExceeded with an honest retry-after, or QuotaUnavailable."""
         self._ensure_syncer()
+        if (too_large := self._book.too_large(tenant, tokens)) is not None:
+            raise QuotaExceeded(too_large)
         result = self._book.try_charge(tenant, tokens, new_request, self._clock())
         if isinstance(result, Charge):
             return result

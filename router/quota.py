@@ -21,11 +21,9 @@ back to the ledger at each sync, so other replicas can spend them, and each sync
 ledger how many slots the replica holds in all (not a difference), so a lost call never
 leaks a slot for good.
 
-A replica that stops reaching the ledger for `HOLDER_TTL_S` is taken for dead: its slots go
-back to the other replicas. So that a replica that is alive but cut off cannot keep starting
-requests on slots the ledger gave away, its idle slots are spent only while its lease is
-fresh (the ledger answered it within `LEASE_FRESH_S`); after that a new request waits for a
-grant. Requests already running keep their slots: the bound holds except for those.
+A replica the ledger has not heard from for `HOLDER_TTL_S` is taken for dead and its slots go
+to others; so a replica alive but cut off spends idle slots only within `LEASE_FRESH_S` of
+the ledger's last answer, and never more slots than that answer counted for it.
 """
 
 from __future__ import annotations
@@ -155,10 +153,9 @@ class QuotaLedger:
 
     def settle(self, tenant: str, holder: str, requests: float, tokens: float, slots_held: int,
                now: float) -> Grant:
-        """Take back unused requests and tokens (negative tokens: a debt, debited), and record
-        how many slots the holder now holds in all; report what remains, and how many slots
-        the holder may keep: fewer than it holds when the ledger gave its slots away (it had
-        not heard from it for `holder_ttl_s`), so that idle ones are not spent twice."""
+        """Take back unused requests and tokens (negative tokens: a debt, debited), record the
+        slots the holder holds in all; report what remains and the slots it may keep (fewer
+        when the ledger gave its slots away, so that idle ones are not spent twice)."""
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         if acct.requests is not None and requests > 0:
@@ -311,9 +308,8 @@ class LeaseBook:
 
     def try_charge(self, tenant: str, tokens: int, new_request: bool = True,
                    now: float | None = None) -> Charge | Need:
-        """Charge from the lease: one request and one slot (`new_request`) and `tokens`. With
-        `now`, idle slots held past `LEASE_FRESH_S` since the ledger's last answer are dropped
-        first (the ledger may have given them away)."""
+        """Charge from the lease: one request and one slot (`new_request`) and `tokens`; with
+        `now`, idle slots older than `LEASE_FRESH_S` are dropped first (given away, maybe)."""
         lease = self._leases[tenant]
         if now is not None and lease.slots_free and now - lease.synced_at > LEASE_FRESH_S:
             lease.slots_free = 0
@@ -331,8 +327,7 @@ class LeaseBook:
         return Charge(tenant, tokens)
 
     def add(self, tenant: str, grant: Grant, asked_at: float) -> Denied | None:
-        """Take the ledger's answer to a question asked at `asked_at` (the lease is fresh from
-        then: an answer that arrives late is no fresher than its question)."""
+        """The ledger's answer to a question asked at `asked_at` (fresh from then, however late)."""
         lease = self._leases[tenant]
         lease.remaining_requests, lease.remaining_tokens = grant.remaining_requests, grant.remaining_tokens
         lease.synced_at = asked_at
@@ -362,6 +357,14 @@ class LeaseBook:
                 lease.slots_free += 1
         if q.tokens_per_min is not None and used_tokens is not None:
             lease.tokens += charge.tokens - used_tokens
+
+    def too_large(self, tenant: str, tokens: int) -> Denied | None:
+        """A refusal for good when `tokens` exceed a minute's worth: whatever the lease holds,
+        the ledger is asked only for the shortfall, which may fit when the whole never will."""
+        per_min = self._quotas[tenant].tokens_per_min
+        if per_min is None or tokens <= per_min:
+            return None
+        return Denied("too_large", INF, self.remaining_requests(tenant), self.remaining_tokens(tenant))
 
     def short(self, tenant: str, need: Need) -> Denied:
         """A refusal naming what the lease still lacks after the ledger's grants."""

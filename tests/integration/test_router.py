@@ -106,6 +106,9 @@ HIDDEN_TOKENS = {
                                     "id": "c1", "type": "function",
                                     "function": {"name": "lookup", "arguments": json.dumps({"q": HIDDEN})}}]},
                                 {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+    "content_parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                {"type": "text", "text": HIDDEN}]}]},
+    "chat_template_kwargs": {"chat_template_kwargs": {"documents": [{"title": "notes", "text": HIDDEN}]}},
 }
 
 

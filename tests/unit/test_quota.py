@@ -295,3 +295,25 @@ def test_a_burst_against_one_quota_is_refused_for_the_limit_it_reached(seed):
         return await asyncio.gather(*(one(client) for _ in range(8)))
 
     assert sorted(asyncio.run(go())) == ["ok"] * 5 + ["tokens"] * 3
+
+
+def test_a_request_over_the_minutes_tokens_is_too_large_whatever_the_lease_holds():
+    """A request of 1,310 tokens against 1,200 a minute can never run. With 120 tokens left in
+    the replica's lease, the ledger was asked only for the 1,190 it lacked, which fit: the
+    tenant was told to retry in 6 s, and would then have been charged more than a minute's
+    tokens. It is refused as too large, before the ledger is asked."""
+    import asyncio
+
+    from router.leases import LedgerService, QuotaClient, QuotaExceeded
+
+    async def go():
+        quotas = {"t": Quota(tokens_per_min=1200)}
+        client = QuotaClient(LedgerService(quotas), quotas, 0.1, 3600)
+        await client.charge("t", 10)  # 10 tokens, and a chunk more into the lease
+        assert client._book.lease("t").tokens == 120
+        with pytest.raises(QuotaExceeded) as e:
+            await client.charge("t", 1310)
+        return e.value.denied
+
+    denied = asyncio.run(go())
+    assert denied.limit == "too_large"
