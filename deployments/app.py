@@ -34,6 +34,7 @@ from router.quota import Quota
 ROUTER = "router"
 CONTROLLER = "autoscale-controller"
 LEDGER = "quota-ledger"
+BATCHES = "batch-service"
 STATE_NAMESPACE = "poolserve"  # Ray's GCS key-value namespace of the control state that outlives replicas
 
 
@@ -60,8 +61,10 @@ def engine_env() -> dict[str, str]:
 def local_ray_init_kwargs(ray_config) -> dict[str, Any]:
     """`ray.init` arguments for a Ray that poolserve starts itself (`poolserve serve`, the
     integration suite, the benchmarks). A cluster joined by address keeps its own settings:
-    on KubeRay the rendered pods set `RAY_worker_niceness` instead."""
-    return {"num_cpus": ray_config.num_cpus, "_metrics_export_port": ray_config.metrics_export_port,
+    on KubeRay the rendered pods set `RAY_worker_niceness` instead. `address="local"`: a new
+    Ray, even where an earlier `ray start` left its address behind (`ray.init()` would try
+    to join that cluster, alive or not)."""
+    return {"address": "local", "num_cpus": ray_config.num_cpus, "_metrics_export_port": ray_config.metrics_export_port,
             "_system_config": {"worker_niceness": ray_config.worker_niceness}}
 
 
@@ -188,6 +191,7 @@ def build_ledger(resolved: Resolved) -> Application:
 
 def router_settings(resolved: Resolved):
     from router.app import RouterSettings
+    from router.batch_api import BatchApiSettings
     from router.policy import PoolRoute
 
     c = resolved.config
@@ -202,11 +206,32 @@ def router_settings(resolved: Resolved):
             queue_slots=rp.config.queue.max_queued,
             max_num_seqs=rp.config.engine.max_num_seqs,
         ))
-    return RouterSettings(c.model.id, c.model.max_model_len, c.router, c.tenants, tuple(routes))
+    batches = None
+    if resolved.batches_dir is not None:
+        batches = BatchApiSettings(str(resolved.batches_dir), resolved.batch_pool, c.batches.max_file_bytes,
+                                   c.batches.max_lines)
+    return RouterSettings(c.model.id, c.model.max_model_len, c.router, c.tenants, tuple(routes), batches)
+
+
+def build_batches(resolved: Resolved) -> Application | None:
+    """The Batch API's service (one replica), when `batches.dir` is set."""
+    if resolved.batches_dir is None:
+        return None
+    from deployments.batch_cli import RayJobRunner
+    from router.batch_service import BatchService
+    from router.batches import BatchSettings
+
+    c = resolved.config
+    settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://127.0.0.1:{c.router.port}",
+                             resolved.pools[resolved.batch_pool].config.route_prefix.lstrip("/"),
+                             c.batches.concurrency, c.batches.max_attempts, c.batches.max_lines)
+    return serve.deployment(BatchService, name=BATCHES, num_replicas=1, max_ongoing_requests=1000,
+                            ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
+        settings, RayJobRunner(c.batches.dashboard_url), c.batches.poll_interval_s)
 
 
 def build_router(resolved: Resolved, pools: dict[str, Application], controller: Application,
-                 ledger: Application) -> Application:
+                 ledger: Application, batches: Application | None = None) -> Application:
     from router.ingress import make_app, route_class
 
     c = resolved.config.router
@@ -215,14 +240,14 @@ def build_router(resolved: Resolved, pools: dict[str, Application], controller: 
     renderer = llm_config(resolved, next(iter(resolved.pools.values())))  # the pools share model and template
     return serve.deployment(ingress, name=ROUTER, num_replicas=c.replicas, max_ongoing_requests=c.max_ongoing_requests,
                             ray_actor_options={"num_cpus": 0.5}).bind(
-        router_settings(resolved), pools, controller, ledger, renderer)
+        router_settings(resolved), pools, controller, ledger, renderer, batches)
 
 
 def build_app(resolved: Resolved) -> Application:
     controller = build_controller(resolved)
     ledger = build_ledger(resolved)
     pools = {name: build_pool(resolved, rp, controller) for name, rp in resolved.pools.items()}
-    return build_router(resolved, pools, controller, ledger)
+    return build_router(resolved, pools, controller, ledger, build_batches(resolved))
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -42,6 +42,27 @@ def _client(address: str):
     return JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"} if token else None)
 
 
+class RayJobRunner:
+    """`router.batches.JobRunner` on Ray's job API: the Batch API's batches as Ray jobs."""
+
+    def __init__(self, address: str) -> None:
+        self._address = address
+
+    def submit(self, name: str, args: list[str]) -> str:
+        return _client(self._address).submit_job(
+            entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
+            submission_id=name, metadata={"poolserve": "batch-api"})
+
+    def status(self, job_id: str) -> str:
+        return _client(self._address).get_job_status(job_id).value
+
+    def stop(self, job_id: str) -> None:
+        _client(self._address).stop_job(job_id)
+
+    def logs(self, job_id: str) -> str:
+        return _client(self._address).get_job_logs(job_id)
+
+
 def entrypoint(input_path: str, output_path: str, url: str, pool: str, concurrency: int,
                key_file: str | None = None, python: str = "python") -> str:
     parts = [python, "-m", "deployments.batch_job", "--input", input_path, "--output", output_path,

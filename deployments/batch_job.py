@@ -30,96 +30,14 @@ import random
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 from urllib.parse import quote
 
-ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+from infra.batchfile import BatchRequest, completed_ids, read_input, result_line
+
 RETRY_STATUSES = {429, 503}
-
-
-# -- parsing and validation (pure) ---------------------------------------------------------
-
-@dataclass(frozen=True)
-class BatchRequest:
-    line: int
-    custom_id: str
-    endpoint: str  # "chat/completions" | "completions"
-    body: dict
-
-
-@dataclass(frozen=True)
-class LineProblem:
-    line: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.message}"
-
-
-def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
-    try:
-        item = json.loads(text)
-    except ValueError as e:
-        return LineProblem(number, f"not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(item, dict):
-        return LineProblem(number, "must be a JSON object with custom_id, method, url and body")
-    cid = item.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return LineProblem(number, "custom_id must be a non-empty string")
-    if item.get("method", "POST") != "POST":
-        return LineProblem(number, f"method {item.get('method')!r}: only POST is supported")
-    url = item.get("url")
-    if url not in ENDPOINTS:
-        return LineProblem(number, f"url {url!r}: use one of {sorted(ENDPOINTS)}")
-    body = item.get("body")
-    if not isinstance(body, dict):
-        return LineProblem(number, "body must be a JSON object (the request body)")
-    return BatchRequest(number, cid, ENDPOINTS[url], body)
-
-
-def read_input(lines: list[str]) -> tuple[list[BatchRequest], list[LineProblem]]:
-    """Every valid request, and every problem (bad lines, duplicate ids) with line numbers."""
-    requests, problems, seen = [], [], {}
-    for number, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        parsed = parse_line(number, text)
-        if isinstance(parsed, LineProblem):
-            problems.append(parsed)
-        elif parsed.custom_id in seen:
-            problems.append(LineProblem(number, f"duplicate custom_id {parsed.custom_id!r} (first on line "
-                                                f"{seen[parsed.custom_id]})"))
-        else:
-            seen[parsed.custom_id] = number
-            requests.append(parsed)
-    return requests, problems
-
-
-def completed_ids(path: Path) -> set[str]:
-    """custom_ids already written; a trailing partial line (a crash mid-write) is cut off."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-        data = data[:keep]
-    done = set()
-    for line in data.decode().splitlines():
-        if line.strip():
-            done.add(json.loads(line)["custom_id"])
-    return done
-
-
-def result_line(custom_id: str, status: int | None, body: Any, request_id: str | None,
-                error: dict | None = None) -> str:
-    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
-    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
-                       "error": error}) + "\n"
 
 
 # -- retries (pure, clock and randomness injected) -------------------------------------------

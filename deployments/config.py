@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from autoscale.config import AutoscaleConfig
 from autoscale.profile import Profile, load_profile
-from pools.config import Frozen, ModelConfig, PoolConfig, POOL_NAME
+from pools.config import POOL_NAME, Frozen, ModelConfig, PoolConfig
 from pools.kv_budget import GIB, KVBudget, ModelShape
 from pools.types import SafeRange
 from router.auth import KEY_FIX
@@ -50,6 +50,26 @@ class ProfilesConfig(Frozen):
                           "across head restarts where KubeRay's GCS fault tolerance is on).")
 
 
+class BatchesConfig(Frozen):
+    """The OpenAI Batch API (`/v1/files`, `/v1/batches`): each batch a Ray job of the batch
+    runner, through `pool` under the tenant's own key."""
+
+    dir: str | None = Field(
+        None, description="Where tenants' files and batches are kept (relative to the config file): a folder "
+                          "every router replica and the head node see (a ReadWriteMany volume on Kubernetes). "
+                          "Unset: the Batch API is off (its paths answer 404).")
+    pool: str | None = Field(None, description="The pool batches run on (default: the first pool whose "
+                                               "default_priority is batch).")
+    router_url: str | None = Field(None, description="Where the batch jobs reach the router (default: "
+                                                     "http://127.0.0.1:<router.port>, the head node's own proxy).")
+    dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray's job API, where batches are submitted.")
+    concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
+    max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger uploads get 413.")
+    max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")
+    max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
+    poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
+
+
 class PoolserveConfig(Frozen):
     model: ModelConfig
     router: RouterConfig = RouterConfig()
@@ -58,6 +78,7 @@ class PoolserveConfig(Frozen):
     tenants: tuple[TenantConfig, ...] = Field(min_length=1)
     autoscale: AutoscaleConfig = AutoscaleConfig()
     profiles: ProfilesConfig = ProfilesConfig()
+    batches: BatchesConfig = BatchesConfig()
 
     @field_validator("pools")
     @classmethod
@@ -112,6 +133,8 @@ class Resolved:
     pools: dict[str, ResolvedPool]
     warnings: tuple[str, ...] = ()
     profiles_dir: Path | None = None  # where calibrated profiles are kept (None: Ray's GCS key-value store)
+    batches_dir: Path | None = None  # the Batch API's files (None: the Batch API is off)
+    batch_pool: str | None = None
 
 
 # -- loading ------------------------------------------------------------------------
@@ -299,9 +322,24 @@ def _pool_range(c: PoolserveConfig, name: str, p: PoolConfig, base: Path, kv: KV
     return ResolvedPool(name, p, safe, start, profile, kv.capacity_tokens if kv else None, fallback, sweep)
 
 
+def batch_pool(c: PoolserveConfig) -> str | None:
+    """The pool batches run on: `batches.pool`, else the first pool of class batch."""
+    return c.batches.pool or next((n for n, p in c.pools.items() if p.default_priority == "batch"), None)
+
+
+def _check_batches(c: PoolserveConfig) -> list[Problem]:
+    if c.batches.dir is None:
+        return []
+    pool = batch_pool(c)
+    if pool not in c.pools:
+        return [Problem("batches.pool", c.batches.pool, "names no pool" if c.batches.pool else
+                        "no pool has default_priority batch to run batches on", f"name one of {sorted(c.pools)}")]
+    return []
+
+
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
     warnings: list[str] = []
-    problems = _check_tenants(config, warnings)
+    problems = _check_tenants(config, warnings) + _check_batches(config)
     for name, p in config.pools.items():
         problems += _check_pool(config, name, p)
     prefixes = [p.route_prefix for p in config.pools.values()]
@@ -326,4 +364,6 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
     if problems:
         raise ConfigError(source, problems)
     profiles_dir = _path(base_dir, config.profiles.dir) if config.profiles.dir else None
-    return Resolved(config, base_dir, model_source, pools, tuple(warnings), profiles_dir)
+    batches_dir = _path(base_dir, config.batches.dir) if config.batches.dir else None
+    return Resolved(config, base_dir, model_source, pools, tuple(warnings), profiles_dir, batches_dir,
+                    batch_pool(config))

@@ -276,6 +276,10 @@ def networkpolicy(s: RenderSettings) -> dict:
     }
 
 
+SECRET_HEADER = ("# An example of the Secret the router reads its keys from; never applied by the kustomization.\n"
+                 "# Create your own: see docs/kubernetes.md (the router refuses to start with these values).\n")
+
+
 def secret_example(s: RenderSettings, config: dict) -> dict:
     keys = {t["name"]: f"sk-{t['name']}-CHANGE-ME" for t in config["tenants"]}
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -319,9 +323,7 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
         "rayjob-batch.yaml": doc(rayjob(s)),
         "podmonitor.yaml": doc(podmonitor(s)),
         "networkpolicy.yaml": doc(networkpolicy(s)),
-        "secret-example.yaml": "# An example of the Secret the router reads its keys from; never applied by the kustomization.\n"
-                               "# Create your own: see docs/kubernetes.md (the router refuses to start with these values).\n"
-                               + doc(secret_example(s, config)),
+        "secret-example.yaml": SECRET_HEADER + doc(secret_example(s, config)),
         "batch-pvc.yaml": doc(batch_pvc(s)),
         "kustomization.yaml": doc(kustomization(s)),
         "dashboards/poolserve.json": json.dumps(dashboard(), indent=2) + "\n",

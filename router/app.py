@@ -26,6 +26,7 @@ from infra.metrics import RouterMetrics
 from pools.types import Admitted, CallKind, PoolCall, PriorityClass
 from router.admin import Admin
 from router.auth import Auth, keys_from_dir
+from router.batch_api import BatchApi, BatchApiSettings
 from router.body import BodyLimits, read_json
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header
@@ -46,11 +47,12 @@ class RouterSettings:
     router: RouterConfig
     tenants: tuple[TenantConfig, ...]
     pools: tuple[PoolRoute, ...]
+    batches: BatchApiSettings | None = None  # None: the Batch API is off
 
 
 class Router:
     def __init__(self, settings: RouterSettings, pools: dict[str, Any], controller: Any, ledger: Any,
-                 counter: PromptCounter, clock: Callable[[], float] = time.monotonic) -> None:
+                 counter: PromptCounter, clock: Callable[[], float] = time.monotonic, batches: Any = None) -> None:
         configure_logging()
         c = settings.router
         self._s, self._clock = settings, clock
@@ -67,6 +69,7 @@ class Router:
         self._loads = PoolLoads(self._routes, clock, c.view_max_age_s)
         self._metrics = RouterMetrics()
         self.admin = Admin(self._auth, controller, pools, self._limits)
+        self.batch_api = BatchApi(self._auth, settings.batches, batches, self._limits, time.time)
         self._loops = Loops("router")
 
     async def warm(self) -> None:
@@ -212,9 +215,22 @@ class Router:
                 self._pool_for(prefix, tenant)
         except ApiError as e:
             return e.response()
-        data = [{"id": self._s.model_id, "object": "model", "created": 0, "owned_by": "poolserve",
-                 "max_model_len": self._s.max_model_len, "pools": list(tenant.pools)}]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [self._model(tenant)]})
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """`GET /v1/models/{id}`, as OpenAI defines it."""
+        try:
+            tenant = self._auth.tenant(request.headers)
+            if model_id != self._s.model_id:
+                raise ApiError(404, "model_not_found", f"unknown model {model_id!r}; this server serves "
+                                                       f"{self._s.model_id!r}", "model")
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(self._model(tenant))
+
+    def _model(self, tenant: TenantConfig) -> dict:
+        return {"id": self._s.model_id, "object": "model", "created": 0, "owned_by": "poolserve",
+                "max_model_len": self._s.max_model_len, "pools": list(tenant.pools)}
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "pools": self._loads.views_fresh()})

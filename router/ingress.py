@@ -26,7 +26,17 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("post", "/v1/chat/completions", "chat_default"),
     ("post", "/v1/completions", "completions_default"),
     ("get", "/v1/models", "models_default"),
+    ("get", "/v1/models/{model_id:path}", "model"),
     ("get", "/v1/usage", "usage"),
+    ("post", "/v1/files", "files_upload"),
+    ("get", "/v1/files", "files_list"),
+    ("get", "/v1/files/{file_id}", "files_get"),
+    ("delete", "/v1/files/{file_id}", "files_delete"),
+    ("get", "/v1/files/{file_id}/content", "files_content"),
+    ("post", "/v1/batches", "batches_create"),
+    ("get", "/v1/batches", "batches_list"),
+    ("get", "/v1/batches/{batch_id}", "batches_get"),
+    ("post", "/v1/batches/{batch_id}/cancel", "batches_cancel"),
     ("get", "/healthz", "healthz"),
     ("post", "/{prefix}/v1/chat/completions", "chat"),
     ("post", "/{prefix}/v1/completions", "completions"),
@@ -101,6 +111,33 @@ class Endpoints(Router):
     async def pool_models(self, request: Request, prefix: str) -> Response:
         return await self.models(request, prefix)
 
+    async def files_upload(self, request: Request) -> Response:
+        return await self.batch_api.upload(request)
+
+    async def files_list(self, request: Request) -> Response:
+        return await self.batch_api.list_files(request)
+
+    async def files_get(self, request: Request, file_id: str) -> Response:
+        return await self.batch_api.get_file(request, file_id)
+
+    async def files_delete(self, request: Request, file_id: str) -> Response:
+        return await self.batch_api.delete_file(request, file_id)
+
+    async def files_content(self, request: Request, file_id: str) -> Response:
+        return await self.batch_api.file_content(request, file_id)
+
+    async def batches_create(self, request: Request) -> Response:
+        return await self.batch_api.create_batch(request)
+
+    async def batches_list(self, request: Request) -> Response:
+        return await self.batch_api.list_batches(request)
+
+    async def batches_get(self, request: Request, batch_id: str) -> Response:
+        return await self.batch_api.get_batch(request, batch_id)
+
+    async def batches_cancel(self, request: Request, batch_id: str) -> Response:
+        return await self.batch_api.cancel_batch(request, batch_id)
+
     async def admin_pools(self, request: Request) -> Response:
         return await self.admin.pools(request)
 
@@ -128,10 +165,10 @@ def route_class(app: FastAPI, cls: type = Endpoints) -> type:
     warmed in its constructor (Serve awaits an async one) so a first request costs no more
     than the next."""
 
-    async def __init__(self, settings, pools, controller, ledger, llm_config) -> None:
+    async def __init__(self, settings, pools, controller, ledger, llm_config, batches=None) -> None:
         from pools.llm import PromptRenderer
 
-        cls.__init__(self, settings, pools, controller, ledger, PromptRenderer(llm_config))
+        cls.__init__(self, settings, pools, controller, ledger, PromptRenderer(llm_config), batches=batches)
         await self.warm()
 
     methods = {"__init__": __init__}
@@ -148,6 +185,7 @@ def _openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
     from pydantic.json_schema import models_json_schema
+
     from pools.llm import request_models
 
     chat, completions = request_models()

@@ -9,8 +9,8 @@ import random
 import httpx
 import pytest
 
-from deployments.batch_job import (BatchRequest, LineProblem, Progress, RetryPolicy, completed_ids, parse_line,
-                                   read_input, result_line, retry_after_of, run_one)
+from deployments.batch_job import Progress, RetryPolicy, retry_after_of, run_one
+from infra.batchfile import BatchRequest, LineProblem, completed_ids, parse_line, read_input, result_line
 
 
 def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:

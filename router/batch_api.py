@@ -1,0 +1,167 @@
+"""The OpenAI Files and Batches endpoints (`/v1/files`, `/v1/batches`), for tenants' keys.
+
+Files are read and written here, in the folder the config names (`router.files`); batches
+are the batch service's (`router.batches.BatchService`, one replica), which runs each as a
+Ray job through the batch pool under the tenant's own key. A tenant sees only its own files
+and batches: another's id is a 404. An input file is checked as it is uploaded: every
+problem is named with its line, and the size and the number of lines are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from infra.batchfile import read_input
+from router.auth import Auth, bearer
+from router.body import BodyLimits, read_json
+from router.config import TenantConfig
+from router.errors import ApiError
+from router.files import FileStore
+
+
+@dataclass(frozen=True)
+class BatchApiSettings:
+    root: str  # the files' folder
+    pool: str  # the pool batches run on
+    max_file_bytes: int
+    max_lines: int
+
+
+class BatchApi:
+    def __init__(self, auth: Auth, settings: BatchApiSettings | None, service: Any, limits: BodyLimits,
+                 clock: Callable[[], float]) -> None:
+        self._auth, self._s, self._service, self._limits = auth, settings, service, limits
+        self._files = FileStore(Path(settings.root), clock) if settings else None
+
+    # -- files ------------------------------------------------------------------------
+
+    async def upload(self, request: Request) -> Response:
+        async def run(tenant: TenantConfig) -> dict:
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > self._s.max_file_bytes:
+                raise _too_large(self._s.max_file_bytes)
+            try:
+                form = await request.form(max_files=1, max_fields=8)
+            except Exception as e:  # not multipart, or a broken one
+                raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
+                                                       f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
+            upload, purpose = form.get("file"), form.get("purpose")
+            if upload is None or isinstance(upload, str):
+                raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "
+                                                      "fields 'file' and 'purpose'", "file")
+            if purpose not in ("batch",):
+                raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
+            content = await upload.read(self._s.max_file_bytes + 1)
+            if len(content) > self._s.max_file_bytes:
+                raise _too_large(self._s.max_file_bytes)
+            await asyncio.to_thread(self._check_batch_file, content)
+            return await asyncio.to_thread(self._files.create, tenant.name, upload.filename or "upload.jsonl",
+                                           purpose, content)
+        return await self._run(request, run)
+
+    def _check_batch_file(self, content: bytes) -> None:
+        try:
+            lines = content.decode().splitlines()
+        except UnicodeDecodeError as e:
+            raise ApiError(400, "invalid_file", f"the file is not UTF-8 text (byte {e.start})", "file") from None
+        requests, problems = read_input(lines)
+        if problems:
+            shown = "; ".join(str(p) for p in problems[:5])
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ApiError(400, "invalid_file", f"the batch file has {len(problems)} bad lines: {shown}{more}", "file")
+        if not requests:
+            raise ApiError(400, "invalid_file", "the batch file holds no requests", "file")
+        if len(requests) > self._s.max_lines:
+            raise ApiError(400, "invalid_file", f"the batch file holds {len(requests)} requests; a batch may hold "
+                                                f"{self._s.max_lines} (split it)", "file")
+
+    async def list_files(self, request: Request) -> Response:
+        q = request.query_params
+        return await self._run(request, lambda t: asyncio.to_thread(
+            self._files.list, t.name, q.get("purpose"), _limit(q.get("limit"), 10000), q.get("after")))
+
+    async def get_file(self, request: Request, file_id: str) -> Response:
+        return await self._run(request, lambda t: asyncio.to_thread(self._files.get, t.name, file_id))
+
+    async def delete_file(self, request: Request, file_id: str) -> Response:
+        return await self._run(request, lambda t: asyncio.to_thread(self._files.delete, t.name, file_id))
+
+    async def file_content(self, request: Request, file_id: str) -> Response:
+        try:
+            tenant = self._tenant(request)
+            path = await asyncio.to_thread(self._files.content_path, tenant.name, file_id)
+        except ApiError as e:
+            return e.response()
+        return FileResponse(path, media_type="application/jsonl")
+
+    # -- batches ----------------------------------------------------------------------
+
+    async def create_batch(self, request: Request) -> Response:
+        async def run(tenant: TenantConfig) -> Any:
+            if self._s.pool not in tenant.pools:
+                raise ApiError(403, "pool_not_allowed", f"batches run on pool {self._s.pool!r}, which tenant "
+                                                        f"{tenant.name!r} may not use")
+            body = await read_json(request, self._limits)
+            unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+            if unknown:
+                raise ApiError(400, "invalid_request", f"unknown field {sorted(unknown)[0]!r}", sorted(unknown)[0])
+            for field in ("input_file_id", "endpoint", "completion_window"):
+                if field not in body:
+                    raise ApiError(400, "missing_field", f"{field!r} is required", field)
+            return await self._call("create", tenant.name, bearer(request.headers), body["input_file_id"],
+                                    body["endpoint"], body["completion_window"], body.get("metadata"))
+        return await self._run(request, run)
+
+    async def get_batch(self, request: Request, batch_id: str) -> Response:
+        return await self._run(request, lambda t: self._call("get", t.name, batch_id))
+
+    async def list_batches(self, request: Request) -> Response:
+        q = request.query_params
+        return await self._run(request, lambda t: self._call("list", t.name, _limit(q.get("limit"), 100),
+                                                             q.get("after")))
+
+    async def cancel_batch(self, request: Request, batch_id: str) -> Response:
+        return await self._run(request, lambda t: self._call("cancel", t.name, batch_id))
+
+    # -- steps ------------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> TenantConfig:
+        tenant = self._auth.tenant(request.headers)
+        if self._s is None:
+            raise ApiError(404, "batch_api_disabled", "the Batch API is off on this server (batches.dir is unset)")
+        return tenant
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            answer = await self._service.call.remote(method, *args)
+        except Exception as e:  # the service is restarting
+            raise ApiError(503, "batch_service_unavailable", f"the batch service is unavailable ({type(e).__name__}); "
+                                                             "retry shortly", retry_after_s=5) from None
+        if "error" in answer:
+            raise ApiError(*answer["error"])
+        return answer["ok"]
+
+    async def _run(self, request: Request, step: Callable[[TenantConfig], Awaitable[Any]]) -> Response:
+        try:
+            return JSONResponse(await step(self._tenant(request)))
+        except ApiError as e:
+            return e.response()
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, "file_too_large", f"the file is larger than batches.max_file_bytes ({limit} bytes); split it",
+                    "file")
+
+
+def _limit(value: str | None, most: int) -> int:
+    if value is None:
+        return min(20, most)
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise ApiError(400, "invalid_value", f"limit {value!r}: use a whole number from 1 to {most}", "limit")
+    return int(value)

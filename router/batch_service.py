@@ -1,0 +1,39 @@
+"""The batch service: every tenant's batches (`router.batches.Batches`) behind one Serve
+replica, moved on by a poll loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+from infra.loops import Loops
+from router.batches import Batches, BatchSettings, JobRunner
+from router.errors import ApiError
+from router.files import FileStore
+
+
+class BatchService:
+    """Every tenant's batches behind one Serve replica. API calls and the poll loop take turns
+    (one lock) and run off the event loop (file I/O and the job API block). Refusals come back
+    as `{"error": [status, code, message, param]}`, results as `{"ok": ...}`."""
+
+    def __init__(self, settings: BatchSettings, runner: JobRunner, poll_interval_s: float = 2.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._batches = Batches(settings, FileStore(settings.root, clock), runner, clock)
+        self._lock = asyncio.Lock()
+        self._loops = Loops("batches")
+        self._loops.start("poll", self._poll, poll_interval_s)
+
+    async def _poll(self) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self._batches.poll)
+
+    async def call(self, method: str, *args: Any) -> dict:
+        if method not in ("create", "get", "list", "cancel"):
+            raise ValueError(method)
+        async with self._lock:
+            try:
+                return {"ok": await asyncio.to_thread(getattr(self._batches, method), *args)}
+            except ApiError as e:
+                return {"error": [e.status, e.code, e.message, e.param]}

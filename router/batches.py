@@ -1,0 +1,271 @@
+"""OpenAI batches, each run as a Ray job of the resumable batch runner (`deployments.batch_job`)
+through a pool, under the tenant's own key: its quota and priority apply to every line.
+
+A batch is a JSON record beside its tenant's files (`<root>/<tenant>/batches/<id>.json`, its
+job's output in `<id>/output.jsonl`), moved on at each `poll()`:
+
+    validating -> in_progress (its job submitted) -> finalizing (the output split into the
+    output and error files) -> completed
+    failed     (the input is refused, or the job failed `max_attempts` times)
+    cancelling -> cancelled, and expired (past its completion window): partial results kept
+
+A job that fails or stops on its own is submitted again with the same output file: the runner
+skips the ids already answered, so every line is answered exactly once. A service that
+restarts reads the records back and carries on. The tenant's key is kept for the batch's jobs
+in a file readable by its owner only (`<id>/key`, never in a record, nor in the job's runtime
+environment, which the dashboard shows) and removed when the batch ends.
+
+Pure orchestration: the jobs go through a `JobRunner`, the clock is a parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from infra.batchfile import ENDPOINTS, read_input
+from router.errors import ApiError
+from router.files import FileStore, page, tenant_dir, write_whole
+
+log = logging.getLogger("poolserve.router")
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+WINDOWS = {"24h": 24 * 3600}
+_ID = re.compile(r"batch_[0-9a-f]{24}")
+_STOPPED = ("FAILED", "STOPPED")
+
+
+class JobRunner(Protocol):
+    """Ray job submission, as the batch service needs it."""
+
+    def submit(self, name: str, args: list[str]) -> str: ...
+    def status(self, job_id: str) -> str: ...  # PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED
+    def stop(self, job_id: str) -> None: ...
+    def logs(self, job_id: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    root: Path
+    router_url: str  # where the jobs send their requests
+    pool_prefix: str  # the pool they send them to (its route prefix, without the slash)
+    concurrency: int = 64
+    max_attempts: int = 3
+    max_lines: int = 50_000
+
+
+class Batches:
+    def __init__(self, settings: BatchSettings, files: FileStore, runner: JobRunner,
+                 clock: Callable[[], float]) -> None:
+        self._s, self._files, self._runner, self._clock = settings, files, runner, clock
+
+    # -- the API ----------------------------------------------------------------------
+
+    def create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
+               metadata: Any = None) -> dict:
+        if endpoint not in ENDPOINTS:
+            raise ApiError(400, "invalid_value", f"endpoint {endpoint!r}: use one of {sorted(ENDPOINTS)}", "endpoint")
+        if completion_window not in WINDOWS:
+            raise ApiError(400, "invalid_value", f"completion_window {completion_window!r}: use '24h'",
+                           "completion_window")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise ApiError(400, "invalid_value", "metadata must map at most 16 keys (64 characters) to strings "
+                                                 "(512 characters)", "metadata")
+        if not isinstance(input_file_id, str):
+            raise ApiError(400, "invalid_value", "input_file_id must be the id of an uploaded file", "input_file_id")
+        meta = self._files.get(tenant, input_file_id)
+        if meta["purpose"] != "batch":
+            raise ApiError(400, "invalid_value", f"file {input_file_id!r} has purpose {meta['purpose']!r}; upload "
+                                                 "the input with purpose 'batch'", "input_file_id")
+        now = int(self._clock())
+        batch_id = f"batch_{uuid.uuid4().hex[:24]}"
+        record = {
+            "id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
+            "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
+            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+            "expires_at": now + WINDOWS[completion_window], "finalizing_at": None, "completed_at": None,
+            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+            "_tenant": tenant, "_job": None, "_attempts": 0,
+        }
+        self._validate(record, key)
+        self._advance(record)
+        return _public(record)
+
+    def get(self, tenant: str, batch_id: str) -> dict:
+        return _public(self._load(tenant, batch_id))
+
+    def list(self, tenant: str, limit: int = 20, after: str | None = None) -> dict:
+        folder = tenant_dir(self._s.root, tenant) / "batches"
+        records = [r for p in (folder.glob("batch_*.json") if folder.is_dir() else ())
+                   if (r := _read(p)) is not None]
+        records.sort(key=lambda r: (-r["created_at"], r["id"]))
+        return page([_public(r) for r in records], limit, after)
+
+    def cancel(self, tenant: str, batch_id: str) -> dict:
+        record = self._load(tenant, batch_id)
+        if record["status"] in TERMINAL or record["status"] == "cancelling":
+            if record["status"] in ("completed", "failed", "expired"):
+                raise ApiError(409, "batch_not_cancellable", f"batch {batch_id!r} is {record['status']} already")
+            return _public(record)
+        record["status"], record["cancelling_at"] = "cancelling", int(self._clock())
+        self._advance(record)
+        return _public(record)
+
+    def poll(self) -> None:
+        """Move every batch that is not finished on by one step."""
+        for folder in self._s.root.glob("*/batches") if self._s.root.is_dir() else ():
+            for path in folder.glob("batch_*.json"):
+                record = _read(path)
+                if record is not None and record["status"] not in TERMINAL:
+                    try:
+                        self._advance(record)
+                    except Exception:  # one batch's trouble must not stop the others
+                        log.exception("batch %s: could not move it on", record["id"])
+
+    # -- the life of a batch ----------------------------------------------------------
+
+    def _validate(self, record: dict, key: str) -> None:
+        path = self._files.content_path(record["_tenant"], record["input_file_id"])
+        lines = path.read_text(errors="replace").splitlines()
+        requests, problems = read_input(lines)
+        url = {v: k for k, v in ENDPOINTS.items()}
+        problems += [f"line {r.line}: url {url[r.endpoint]!r} differs from the batch's endpoint "
+                     f"{record['endpoint']!r}" for r in requests if url[r.endpoint] != record["endpoint"]]
+        if len(requests) > self._s.max_lines:
+            problems.append(f"the file holds {len(requests)} requests; a batch may hold {self._s.max_lines}")
+        record["request_counts"]["total"] = len(requests)
+        if problems:
+            record["errors"] = {"object": "list", "data": [_line_error(str(p)) for p in problems[:100]]}
+            self._finish(record, "failed")
+        else:
+            self._folder(record).mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_whole(self._folder(record) / "key", key.encode())
+            self._save(record)
+
+    def _advance(self, record: dict) -> None:
+        now = int(self._clock())
+        status, job = record["status"], record["_job"]
+        if status == "validating":
+            self._submit(record)
+            return
+        self._count(record)
+        state = self._runner.status(job) if job else None
+        if status == "cancelling" or (status == "in_progress" and now >= record["expires_at"]):
+            if job is not None and state not in ("SUCCEEDED", *_STOPPED):
+                self._runner.stop(job)
+                self._save(record)
+                return
+            self._finalize(record, "cancelled" if status == "cancelling" else "expired")
+        elif state == "SUCCEEDED":
+            self._finalize(record, "completed")
+        elif state in _STOPPED:
+            if record["_attempts"] < self._s.max_attempts:
+                log.warning("batch %s: job %s ended %s; submitting it again to resume", record["id"], job, state)
+                self._submit(record)
+            else:
+                tail = self._runner.logs(job)[-500:]
+                record["errors"] = {"object": "list", "data": [{
+                    "code": "job_failed", "line": None, "param": None,
+                    "message": f"the batch's job failed {record['_attempts']} times; its last lines: {tail}"}]}
+                self._finalize(record, "failed")
+        else:
+            self._save(record)
+
+    def _submit(self, record: dict) -> None:
+        args = ["--input", str(self._files.content_path(record["_tenant"], record["input_file_id"])),
+                "--output", str(self._output(record)), "--key-file", str(self._folder(record) / "key"),
+                "--url", self._s.router_url, "--pool", self._s.pool_prefix, "--concurrency", str(self._s.concurrency)]
+        record["_job"] = self._runner.submit(f"poolserve-{record['id']}-{record['_attempts'] + 1}", args)
+        record["_attempts"] += 1
+        if record["status"] == "validating":
+            record["status"], record["in_progress_at"] = "in_progress", int(self._clock())
+        self._save(record)
+
+    def _count(self, record: dict) -> None:
+        ok = failed = 0
+        for row in _rows(self._output(record)):
+            if (row.get("response") or {}).get("status_code") == 200:
+                ok += 1
+            else:
+                failed += 1
+        record["request_counts"].update(completed=ok, failed=failed)
+
+    def _finalize(self, record: dict, status: str) -> None:
+        """The job's output, split: answers in the output file, failures in the error file."""
+        record["status"], record["finalizing_at"] = "finalizing", int(self._clock())
+        self._save(record)
+        self._count(record)
+        good, bad = [], []
+        for row in _rows(self._output(record)):
+            ((good if (row.get("response") or {}).get("status_code") == 200 else bad)).append(json.dumps(row))
+        for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
+            if rows:
+                meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
+                                          ("\n".join(rows) + "\n").encode())
+                record[field] = meta["id"]
+        self._finish(record, status)
+
+    def _finish(self, record: dict, status: str) -> None:
+        record["status"] = status
+        record[f"{status}_at"] = int(self._clock())
+        self._save(record)
+        (self._folder(record) / "key").unlink(missing_ok=True)
+
+    # -- storage ----------------------------------------------------------------------
+
+    def _path(self, tenant: str, batch_id: str) -> Path:
+        return tenant_dir(self._s.root, tenant) / "batches" / f"{batch_id}.json"
+
+    def _folder(self, record: dict) -> Path:
+        return tenant_dir(self._s.root, record["_tenant"]) / "batches" / record["id"]
+
+    def _output(self, record: dict) -> Path:
+        return self._folder(record) / "output.jsonl"
+
+    def _load(self, tenant: str, batch_id: str) -> dict:
+        record = _read(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
+        if record is None:
+            raise ApiError(404, "batch_not_found", f"no batch {batch_id!r}", "batch_id")
+        return record
+
+    def _save(self, record: dict) -> None:
+        path = self._path(record["_tenant"], record["id"])
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_whole(path, json.dumps(record).encode())
+
+
+def _public(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("_")}
+
+
+def _line_error(message: str) -> dict:
+    m = re.match(r"line (\d+): (.*)", message)
+    return {"code": "invalid_request", "message": message, "param": None, "line": int(m.group(1)) if m else None}
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rows(path: Path):
+    """The whole lines of a job's output (a torn last line is the job's to cut)."""
+    if not path.exists():
+        return
+    with path.open() as f:
+        for line in f:
+            if line.endswith("\n") and line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue

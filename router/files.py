@@ -1,0 +1,105 @@
+"""Tenants' files for the OpenAI Batch API, in a folder the config names (a shared volume on
+Kubernetes, so that every router replica and the batch jobs see the same files).
+
+    <root>/<tenant>/files/<file id>          the content, written once
+    <root>/<tenant>/files/<file id>.json     its OpenAI file object
+
+A tenant sees only its own folder: another tenant's file id is simply not found. Pure file
+I/O with the clock as a parameter; no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Callable
+from urllib.parse import quote
+
+from router.errors import ApiError
+
+PURPOSES = ("batch", "batch_output")
+_ID = re.compile(r"file-[0-9a-f]{24}")
+
+
+def tenant_dir(root: Path, tenant: str) -> Path:
+    """A tenant's folder; any tenant name makes one safe folder name."""
+    return root / quote(tenant, safe="")
+
+
+class FileStore:
+    def __init__(self, root: str | Path, clock: Callable[[], float]) -> None:
+        self._root = Path(root)
+        self._clock = clock
+
+    def _dir(self, tenant: str) -> Path:
+        return tenant_dir(self._root, tenant) / "files"
+
+    def create(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict:
+        if purpose not in PURPOSES:
+            raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
+        folder = self._dir(tenant)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        write_whole(folder / file_id, content)
+        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(self._clock()),
+                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+        write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
+        return meta
+
+    def get(self, tenant: str, file_id: str) -> dict:
+        path = self._meta_path(tenant, file_id)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id") from None
+
+    def content_path(self, tenant: str, file_id: str) -> Path:
+        self.get(tenant, file_id)
+        return self._dir(tenant) / file_id
+
+    def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None) -> dict:
+        folder = self._dir(tenant)
+        metas = []
+        for path in folder.glob("file-*.json") if folder.is_dir() else ():
+            try:
+                metas.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # being deleted
+        metas = sorted((m for m in metas if purpose is None or m["purpose"] == purpose),
+                       key=lambda m: (-m["created_at"], m["id"]))
+        return page(metas, limit, after)
+
+    def delete(self, tenant: str, file_id: str) -> dict:
+        meta_path = self._meta_path(tenant, file_id)
+        if not meta_path.exists():
+            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
+        meta_path.unlink(missing_ok=True)
+        (self._dir(tenant) / file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def _meta_path(self, tenant: str, file_id: str) -> Path:
+        if not _ID.fullmatch(file_id):
+            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
+        return self._dir(tenant) / f"{file_id}.json"
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Whole or not at all: written beside, then renamed; readable by its owner only."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def page(items: list[dict], limit: int, after: str | None) -> dict:
+    """An OpenAI list page: items after the one with id `after`, at most `limit`."""
+    if after is not None:
+        ids = [i["id"] for i in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}

@@ -1,0 +1,192 @@
+"""The router's /v1/files, /v1/batches and /v1/models/{id} over ASGI, driven by the official
+`openai` SDK where it can be, with the batch service's logic run in-process on a fake job
+runner (the integration test runs real Ray jobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import httpx
+import openai
+import pytest
+
+from pools.types import PriorityClass
+from router.app import RouterSettings
+from router.batch_api import BatchApiSettings
+from router.batches import Batches, BatchSettings
+from router.config import RouterConfig, TenantConfig
+from router.errors import ApiError
+from router.files import FileStore
+from router.ingress import ROUTES, Endpoints, make_app
+from router.leases import LedgerService
+from router.policy import PoolRoute
+from router.quota import Quota
+from tests.unit.router_harness import TENANTS, FakeController, FakePool, WordCounter, sha
+from tests.unit.test_batches import Clock, FakeRunner, _line
+
+NO_BATCH_POOL = TenantConfig(name="chat-only", key_sha256=sha("key-chat-only"), pools=("q",))
+
+
+class InProcessService:
+    """The batch service's `call`, on a Batches in this process."""
+
+    def __init__(self, batches: Batches) -> None:
+        self.batches = batches
+
+    @property
+    def call(self):
+        outer = self
+
+        class _Call:
+            async def remote(self, method, *args):
+                try:
+                    return {"ok": getattr(outer.batches, method)(*args)}
+                except ApiError as e:
+                    return {"error": [e.status, e.code, e.message, e.param]}
+        return _Call()
+
+
+@pytest.fixture
+def api(tmp_path):
+    clock, runner = Clock(), FakeRunner()
+    batches = Batches(BatchSettings(tmp_path, "http://router", "p"), FileStore(tmp_path, clock), runner, clock)
+    tenants = (*TENANTS, NO_BATCH_POOL)
+    routes = (PoolRoute("p", "p", 4, PriorityClass.STANDARD, queue_slots=8, max_num_seqs=4),
+              PoolRoute("q", "q", 4, PriorityClass.INTERACTIVE, queue_slots=8, max_num_seqs=4))
+    settings = RouterSettings("m", 64, RouterConfig(), tenants, routes,
+                              BatchApiSettings(str(tmp_path), "p", max_file_bytes=4096, max_lines=20))
+    router = Endpoints(settings, {"p": FakePool(), "q": FakePool()}, FakeController(),
+                       LedgerService({t.name: Quota(**t.quota.model_dump()) for t in tenants}), WordCounter(),
+                       batches=InProcessService(batches))
+    app = make_app()
+    for verb, path, name in ROUTES:
+        getattr(app, verb)(path, name=name)(getattr(router, name))
+    return app, runner, batches
+
+
+def sync(test):
+    """An async test, run in its own event loop."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return run
+
+
+def sdk(app, tenant: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://router/v1", api_key=f"key-{tenant}", max_retries=0,
+                              http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)))
+
+
+def _file(lines: int) -> bytes:
+    return "".join(_line(i) + "\n" for i in range(lines)).encode()
+
+
+@sync
+async def test_the_sdk_uploads_creates_polls_downloads_and_cancels(api):
+    app, runner, batches = api
+    client = sdk(app, "b")
+    f = await client.files.create(file=("in.jsonl", _file(5)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes == len(_file(5))
+    b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                                    metadata={"owner": "eval"})
+    assert b.status == "in_progress" and b.request_counts.total == 5
+    runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
+    batches.poll()
+    b = await client.batches.retrieve(b.id)
+    assert b.status == "completed" and b.request_counts.completed == 5 and b.error_file_id is None
+    rows = [json.loads(x) for x in (await client.files.content(b.output_file_id)).text.splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"req-{i}" for i in range(5)]
+    assert [x.id async for x in client.batches.list()] == [b.id]
+    assert {x.id async for x in client.files.list()} == {f.id, b.output_file_id}
+
+    second = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    cancelling = await client.batches.cancel(second.id)
+    assert cancelling.status == "cancelling"
+    batches.poll()
+    assert (await client.batches.retrieve(second.id)).status == "cancelled"
+    assert (await client.files.delete(f.id)).deleted
+
+
+@sync
+async def test_another_tenant_gets_404_for_every_id(api):
+    app, _, _ = api
+    owner, other = sdk(app, "b"), sdk(app, "a")
+    f = await owner.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    b = await owner.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    for call in (other.files.retrieve(f.id), other.files.content(f.id), other.files.delete(f.id),
+                 other.batches.retrieve(b.id), other.batches.cancel(b.id),
+                 other.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert [x async for x in other.batches.list()] == []
+
+
+@sync
+async def test_a_bad_file_is_refused_naming_its_lines_and_nothing_is_kept(api, tmp_path):
+    app, _, _ = api
+    client = sdk(app, "b")
+    bad = _file(2) + b'{"custom_id": "req-0", "url": "/v1/completions", "body": {}}\nnot json\n'
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.files.create(file=("in.jsonl", bad), purpose="batch")
+    message = e.value.body["message"]
+    assert "line 3: duplicate custom_id 'req-0'" in message and "line 4: not valid JSON" in message
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.files.create(file=("in.jsonl", _file(21)), purpose="batch")
+    assert "holds 21 requests; a batch may hold 20" in e.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.files.create(file=("in.jsonl", _file(200)), purpose="batch")
+    assert e.value.status_code == 413 and "batches.max_file_bytes" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.files.create(file=("in.jsonl", _file(1)), purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"
+    assert [x async for x in client.files.list()] == []
+
+
+@sync
+async def test_batches_need_the_batch_pool_and_known_fields(api):
+    app, _, _ = api
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        await sdk(app, "chat-only").batches.create(input_file_id="file-x", endpoint="/v1/completions",
+                                                    completion_window="24h")
+    assert "pool 'p'" in e.value.body["message"]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        r = await http.post("/v1/batches", headers={"Authorization": "Bearer key-b"},
+                            json={"input_file_id": "file-x", "endpoint": "/v1/completions"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "completion_window"
+        r = await http.post("/v1/batches", headers={"Authorization": "Bearer key-b"},
+                            json={"input_file_id": "f", "endpoint": "/v1/completions", "completion_window": "24h",
+                                  "priority": "high"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        r = await http.get("/v1/batches?limit=0", headers={"Authorization": "Bearer key-b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+        r = await http.post("/v1/files", headers={"Authorization": "Bearer key-b"}, json={"file": "x"})
+        assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+        r = await http.get("/v1/files")
+        assert r.status_code == 401
+
+
+@sync
+async def test_models_by_id(api):
+    app, _, _ = api
+    client = sdk(app, "b")
+    m = await client.models.retrieve("m")
+    assert m.id == "m" and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.models.retrieve("gpt-4")
+    assert "'m'" in e.value.body["message"]
+
+
+@sync
+async def test_the_batch_api_off_says_so(tmp_path):
+    settings = RouterSettings("m", 64, RouterConfig(), TENANTS,
+                              (PoolRoute("p", "p", 4, PriorityClass.STANDARD, queue_slots=8, max_num_seqs=4),))
+    router = Endpoints(settings, {"p": FakePool()}, FakeController(),
+                       LedgerService({t.name: Quota(**t.quota.model_dump()) for t in TENANTS}), WordCounter())
+    app = make_app()
+    for verb, path, name in ROUTES:
+        getattr(app, verb)(path, name=name)(getattr(router, name))
+    with pytest.raises(openai.NotFoundError) as e:
+        await sdk(app, "b").batches.list()
+    assert "batches.dir" in e.value.body["message"]
