@@ -93,7 +93,14 @@ def _cmd_serve(args) -> int:
     host = args.host or c.router.host
     port = args.port or c.router.port
     if c.ray.address:
-        ray.init(address=c.ray.address)
+        try:
+            ray.init(address=c.ray.address)
+        except ConnectionError as e:
+            print(f"could not join the Ray cluster at ray.address {c.ray.address!r}: {e}\nIf the cluster has "
+                  "Ray's token authentication on (Ray's default), run with RAY_AUTH_MODE=token and its token in "
+                  "~/.ray/auth_token or RAY_AUTH_TOKEN (`ray get-auth-token` on the head node prints it).",
+                  file=sys.stderr)
+            return 1
     else:
         ray.init(include_dashboard=c.ray.dashboard, **local_ray_init_kwargs(c.ray))
     serve.start(http_options={"host": host, "port": port})

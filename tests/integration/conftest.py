@@ -9,6 +9,11 @@ them back (`pinned`, `slo`).
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,3 +126,42 @@ def stack():
     yield s
     serve.shutdown()
     ray.shutdown()
+
+
+class Console:
+    """`poolserve serve` in a process of its own, with a clean environment (a user's shell);
+    its output lines as they come, with the time each arrived."""
+
+    def __init__(self, config: Path, **extra_env: str) -> None:
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "PYTHONUNBUFFERED": "1", **extra_env}
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "poolserve"), "serve", str(config)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=config.parent)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip()))
+
+    def wait_for_line(self, fragment: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(fragment in line for _, line in self.lines):
+            assert self.proc.poll() is None, "poolserve serve exited:\n" + self.text()
+            assert time.monotonic() < deadline, f"no line with {fragment!r} in {timeout} s:\n" + self.text()
+            time.sleep(0.2)
+
+    def since(self, t: float) -> list[str]:
+        return [line for at, line in self.lines if at >= t]
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines[-60:])
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise

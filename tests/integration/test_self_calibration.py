@@ -7,24 +7,19 @@ the store at once. It runs on a Ray of its own, before the session's stack start
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import yaml
 
-from tests.integration.conftest import MODEL, REPO, wait_for
+from tests.integration.conftest import MODEL, REPO, Console, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_cluster]
 
@@ -59,45 +54,6 @@ def _batch_burst(n: int) -> list[int]:
                           json={"prompt": "calibrate me", "max_tokens": 64, "ignore_eos": True}).status_code
     with ThreadPoolExecutor(n) as ex:
         return list(ex.map(one, range(n)))
-
-
-class Console:
-    """`poolserve serve` in a process of its own, with a clean environment (a user's shell);
-    its output lines as they come, with the time each arrived."""
-
-    def __init__(self, config: Path) -> None:
-        env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"], "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "poolserve"), "serve", str(config)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=config.parent)
-        self.lines: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-
-    def wait_for_line(self, fragment: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(fragment in line for _, line in self.lines):
-            assert self.proc.poll() is None, "poolserve serve exited:\n" + self.text()
-            assert time.monotonic() < deadline, f"no line with {fragment!r} in {timeout} s:\n" + self.text()
-            time.sleep(0.2)
-
-    def since(self, t: float) -> list[str]:
-        return [line for at, line in self.lines if at >= t]
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines[-60:])
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
 
 
 def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
