@@ -96,6 +96,9 @@ def cli_job_ends(stack, job: str, cwd: Path) -> str:
 def test_the_cli_submits_watches_and_reads_a_job_from_a_clean_shell(stack, tmp_path):
     """Ray turns token authentication on for a cluster ray.init() starts; the CLI finds the token
     where Ray's own CLI does (~/.ray/auth_token here), with no variable set."""
+    import httpx
+
+    assert httpx.get(f"{stack.dashboard_url}/api/jobs/", timeout=10).status_code in (401, 403), "token auth is on"
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_input(inp, 12)
     run = cli("submit", str(inp), "--output", str(out), "--tenant-key", KEYS["batch"], "--address",

@@ -218,3 +218,16 @@ def test_a_mounted_secret_holding_the_shipped_example_values_is_refused(tmp_path
         (folder / "admin").write_text(example["admin"] if name == "admin" else "a-real-admin-key")
         with pytest.raises(ValueError, match=f"{folder / name}.*example key.*poolserve hash-key"):
             keys_from_dir((TenantConfig(name="chat-team", pools=("p",)),), None, str(folder))
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_internal_access_logs_follow_the_config(model_dir, on):
+    """Deployments only other deployments call log no access lines unless `ray.access_logs`."""
+    from deployments.app import build_batches, build_controller, build_ledger
+
+    data = base()
+    data["ray"] = {"access_logs": on}
+    data["batches"] = {"dir": "batches", "pool": "offline-batch"}
+    r = check(data, model_dir)
+    for app in (build_controller(r), build_ledger(r), build_batches(r)):
+        assert app._bound_deployment.logging_config["enable_access_log"] is on
