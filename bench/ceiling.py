@@ -192,12 +192,12 @@ def ceiling_round(name: str, raw: Path) -> dict:
     if name == "raw-engine":
         run = subprocess.run([sys.executable, "-m", "bench.raw_engine", "--model", model(),
                               "--prompts", str(prompts), "--input", str(CEILING_LENGTHS[0]),
-                              "--output", str(CEILING_LENGTHS[1]), "--seqs", str(CEILING_SEQS)],
+                              "--output", str(CEILING_LENGTHS[1]), "--seqs", str(CEILING_SEQS),
+                              "--out", str(raw.with_suffix(".json"))],
                              cwd=REPO, env=engine_env("1"), capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"raw engine failed: {run.stderr[-2000:]}")
-        out = json.loads(run.stdout.strip().splitlines()[-1])
-        raw.with_suffix(".json").write_text(json.dumps(out))
+        out = json.loads(raw.with_suffix(".json").read_text())
         return {"output_tok_s": out["output_tok_s"], "output_tokens": out["output_tokens"]}
     if name == "batch-job":
         return _batch_job(raw)
@@ -263,6 +263,11 @@ def profile(pids: dict[str, int], seconds: float, raw: Path) -> dict[str, Path]:
 
 # -- the run ------------------------------------------------------------------------------------
 
+def _keep(out: dict) -> None:
+    """The run so far, beside its raw data: a run that fails later loses no round."""
+    (RESULTS / "raw" / out["run"] / "partial.json").write_text(json.dumps(out, indent=1))
+
+
 def at_rest(step) -> float:
     """The CPU level below which the machine counts as quiet between rounds."""
     level, by_role = procs.idle_level()
@@ -298,6 +303,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             step(f"flood round {i}: {name}")
             r = flood_round(targets[name], raw / f"flood-{i:02d}-{name}", stack if name == "poolserve" else None)
             out["flood"].append({"round": i, "setup": name, **r})
+            _keep(out)
             step(f"  online TTFT P99 {r['online_ttft_ms']['p99']:.0f} ms, TPOT P99 {r['online_tpot_ms']['p99']:.1f} ms,"
                  f" offline {r['offline_tok_s']:.0f} tok/s")
         from ray import serve
@@ -318,11 +324,13 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
                 step(f"ceiling round {i}: {name}")
                 r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}")
                 out["ceiling"].append({"round": i, "path": name, **r})
+                _keep(out)
                 step(f"  {r['output_tok_s']:.0f} output tok/s")
             for i, name in enumerate(["vllm-server", "poolserve"] * ceiling_rounds):
                 procs.wait_quiet(quiet)
                 r = c1_round(name, raw / f"c1-{i:02d}-{name}")
                 out["c1"].append({"round": i, "path": name, **r})
+                _keep(out)
                 step(f"concurrency 1, {name}: TTFT P50 {r['ttft_p50_ms']:.1f} ms")
             # where poolserve's serving processes spend their CPU at the ceiling (an extra,
             # unmeasured round: the profiler's own sampling costs CPU)

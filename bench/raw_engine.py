@@ -1,7 +1,8 @@
 """vLLM's offline engine (`LLM.generate`) with a pool's engine ceilings on one core: the
-ceiling any serving path on top of the same engine can reach. Prints one JSON object.
+ceiling any serving path on top of the same engine can reach. Writes one JSON object to
+`--out` (vLLM's own log lines share stdout).
 
-    VLLM_CPU_OMP_THREADS_BIND=1 python -m bench.raw_engine --model .cache/models/tiny-llama
+    VLLM_CPU_OMP_THREADS_BIND=1 python -m bench.raw_engine --model .cache/models/tiny-llama --out r.json
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batched", type=int, default=4096)
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="where the result's JSON goes")
     a = p.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -44,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     outs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.monotonic() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"requests": len(outs), "output_tokens": tokens, "seconds": seconds,
-                      "output_tok_s": tokens / seconds}))
+    with open(a.out, "w") as f:
+        json.dump({"requests": len(outs), "output_tokens": tokens, "seconds": seconds,
+                   "output_tok_s": tokens / seconds}, f)
     return 0
 
 

@@ -1,0 +1,107 @@
+"""docs/benchmarks.md's section on `bench/ceiling.py`: each figure as the mean of its rounds with
+their range, and each comparison as a ratio of means with the range of the round-by-round
+ratios (every poolserve round against every baseline round)."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+
+def _f(x, digits: int = 0) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def _spread(values: list[float], digits: int = 0) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return _f(values[0], digits)
+    return f"{_f(mean(values), digits)} [{_f(min(values), digits)}–{_f(max(values), digits)}]"
+
+
+def _ratio(ours: list[float], theirs: list[float]) -> str:
+    if not ours or not theirs or not all(theirs):
+        return "n/a"
+    pairs = [a / b for a in ours for b in theirs]
+    return f"{mean(ours) / mean(theirs):.2f}x [{min(pairs):.2f}–{max(pairs):.2f}]"
+
+
+FLOOD_METRICS = (  # (label, getter, digits, better)
+    ("online TTFT P99 (ms)", lambda r: r["online_ttft_ms"]["p99"], 0, "lower"),
+    ("online TTFT P50 (ms)", lambda r: r["online_ttft_ms"]["p50"], 0, "lower"),
+    ("online TPOT P99 (ms)", lambda r: r["online_tpot_ms"]["p99"], 1, "lower"),
+    ("online errors", lambda r: r["online_errors"], 3, "lower"),
+    ("offline tok/s", lambda r: r["offline_tok_s"], 0, "higher"),
+)
+
+
+def _cores(rounds: list[dict], top: int = 8) -> list[tuple[str, list[float]]]:
+    roles: dict[str, list[float]] = {}
+    for r in rounds:
+        for role, seconds in r["cpu_s"].items():
+            roles.setdefault(role, []).append(seconds / r["window_s"])
+    ranked = sorted(roles.items(), key=lambda kv: -mean(kv[1]))
+    return ranked[:top]
+
+
+def _flood(d: dict) -> list[str]:
+    by = {s: [r for r in d["flood"] if r["setup"] == s] for s in ("poolserve", "stock-two-pools")}
+    if not all(by.values()):
+        return []
+    n = {s: len(v) for s, v in by.items()}
+    lines = ["| metric | poolserve | stock two pools | poolserve / stock |", "|---|---:|---:|---:|"]
+    for label, get, digits, _ in FLOOD_METRICS:
+        ours, theirs = [get(r) for r in by["poolserve"]], [get(r) for r in by["stock-two-pools"]]
+        lines.append(f"| {label} | {_spread(ours, digits)} | {_spread(theirs, digits)} | "
+                     f"{_ratio(ours, theirs) if label != 'online errors' else ''} |")
+    cpu = ["", "Cores each role used during the flood (CPU seconds over the window, mean [range] of the "
+           "rounds; the other set-up idles meanwhile and counts here too):", "",
+           "| role | during poolserve's rounds | during the stock rounds |", "|---|---:|---:|"]
+    ours, theirs = dict(_cores(by["poolserve"], 12)), dict(_cores(by["stock-two-pools"], 12))
+    for role in sorted(set(ours) | set(theirs), key=lambda k: -max(mean(ours.get(k, [0])), mean(theirs.get(k, [0])))):
+        cpu.append(f"| {role} | {_spread(ours.get(role, []), 2)} | {_spread(theirs.get(role, []), 2)} |")
+    return [f"**Parity flood**, {n['poolserve']} rounds per set-up in the order {d.get('flood_order')} (seed "
+            f"{d.get('seed')}); mean [range] of the rounds' figures, and the ratio of the means with the range "
+            "of the round-by-round ratios:", "", *lines, *cpu, ""]
+
+
+def _ceiling(d: dict) -> list[str]:
+    paths: dict[str, list[dict]] = {}
+    for r in d["ceiling"]:
+        paths.setdefault(r["path"], []).append(r)
+    if not paths:
+        return []
+    raw = [r["output_tok_s"] for r in paths.get("raw-engine", [])]
+    lines = ["| path | output tok/s | vs the raw engine | CPU s per 1,000 output tokens (all processes) | "
+             "top roles (CPU s per 1,000 tokens) |", "|---|---:|---:|---:|---|"]
+    for name, rounds in sorted(paths.items(), key=lambda kv: -mean(r["output_tok_s"] for r in kv[1])):
+        tok = [r["output_tok_s"] for r in rounds]
+        per = [r["cpu_s_per_1k_tokens"] for r in rounds if "cpu_s_per_1k_tokens" in r]
+        total = [sum(p.values()) for p in per]
+        roles: dict[str, list[float]] = {}
+        for p in per:
+            for role, v in p.items():
+                roles.setdefault(role, []).append(v)
+        top = ", ".join(f"{k} {mean(v):.2f}" for k, v in sorted(roles.items(), key=lambda kv: -mean(kv[1]))[:4])
+        lines.append(f"| {name} | {_spread(tok)} | {_ratio(tok, raw) if raw else 'n/a'} | {_spread(total, 2)} | "
+                     f"{top} |")
+    c1: dict[str, list[dict]] = {}
+    for r in d.get("c1", []):
+        c1.setdefault(r["path"], []).append(r)
+    if c1:
+        lines += ["", "At concurrency 1 (online lengths, one engine idle otherwise):", "",
+                  "| path | TTFT P50 (ms) | TTFT P99 (ms) | TPOT P50 (ms) |", "|---|---:|---:|---:|"]
+        for name, rounds in c1.items():
+            lines.append(f"| {name} | {_spread([r['ttft_p50_ms'] for r in rounds], 1)} | "
+                         f"{_spread([r['ttft_p99_ms'] for r in rounds], 1)} | "
+                         f"{_spread([r['tpot_p50_ms'] for r in rounds], 1)} |")
+    return ["**Ceiling**, one engine on core 1 with 64 sequences, each path in shuffled rounds "
+            f"({d.get('ceiling_order')}):", "", *lines, ""]
+
+
+def ceiling_section(d: dict, machine: str) -> list[str]:
+    return ["## Where the time and the CPU go (`bench/ceiling.py`)", "",
+            "poolserve against a stock two-pool `ray.serve.llm` deployment given the same cores, engine limits "
+            "and nice, under a batch flood, and every serving path against the bare engine at the ceiling. Raw "
+            f"per-request data: `bench/results/raw/{d['run']}/`. Whole run {d['wall_s']:.0f} s. {machine}", "",
+            *_flood(d), *_ceiling(d)]
