@@ -391,19 +391,31 @@ def test_restarted_ledger_keeps_the_buckets(stack):
         assert r.status_code == 200, r.text
         return t0, time.time(), r.json()
 
+    rate = 1200 / 60  # a fresh ledger would say 1200
+    sync_s = stack.resolved.config.router.lease_ttl_s
+
     def settled():
         """The ledger's figures once the router handed its lease back (its sync every
         `router.lease_ttl_s`): then the ledger holds the whole balance."""
         t0, t1, u = usage()
         return (t0, t1, u) if u["held_by_this_router"]["tokens"] == 0 else None
 
-    asked, answered, before = wait_for(settled, 30, what="the router's lease to go back to the ledger")
+    def steady():
+        """Settled twice, a sync apart, and nothing but the refill in between: no refund of a
+        request that finished late is still on its way to the ledger."""
+        first = wait_for(settled, 30, what="the router's lease to go back to the ledger")
+        time.sleep(sync_s + 0.5)  # one sync of the router's later (a condition checked below)
+        second = wait_for(settled, 30, what="the router's lease to go back to the ledger")
+        was, now = first[2]["remaining_tokens"], second[2]["remaining_tokens"]
+        low, high = (min(1200, was + rate * (second[0] - first[1])), min(1200, was + rate * (second[1] - first[0])))
+        return second if low - 1 <= now <= high + 1 else None
+
+    asked, answered, before = wait_for(steady, 60, interval=0, what="the ledger's figures to hold still")
     assert before["remaining_tokens"] < 600
     victim = _replica_actor("quota-ledger")
     _kill(victim)
     _restarted(stack, "quota-ledger", victim, lambda: usage()[2])
     asked_after, answered_after, after = wait_for(settled, 30, what="the lease to go back to the new ledger")
-    rate = 1200 / 60  # a fresh ledger would say 1200
     low = min(1200, before["remaining_tokens"] + rate * (asked_after - answered))
     high = min(1200, before["remaining_tokens"] + rate * (answered_after - asked))
     assert low - 1 <= after["remaining_tokens"] <= high + 1, (before, after, answered_after - asked)
