@@ -103,7 +103,15 @@ def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
         print(f"\ncalibrated in {time.monotonic() - started:.0f} s: " +
               ", ".join(f"{n} {list(s.safe_range)} ({s.calibration.detail})" for n, s in status.items()))
 
-        # At rest (reports, views and quota syncs go on several times a second) the console is quiet.
+        # Once each pool's limit sits inside its new range and every replica applied it (the
+        # controller clamps it at its next tick after the profile is adopted, and says so), the
+        # console is quiet at rest (reports, views and quota syncs go on several times a second).
+        def settled():
+            s = _status(admin)
+            return s and all(p.target_max_active_seqs is not None
+                             and p.safe_range[0] <= p.target_max_active_seqs <= p.safe_range[1]
+                             and p.replicas and p.applied(p.epoch) for p in s.values())
+        wait_for(settled, 60, interval=0.5, what="every pool's limit inside its new range, applied")
         quiet_from, wall = time.monotonic(), time.time()
         time.sleep(10)
         said = [line for line in console.since(quiet_from) if not _logged_before(line, wall)]
