@@ -242,7 +242,11 @@ class Controller:
         p.calibration = p.calibration.model_copy(update={"detail": detail})
 
     def adopt(self, name: str, profile: Profile) -> None:
-        """A sweep of this set-up finished: the pool moves inside the range it measured."""
+        """A sweep of this set-up finished: the pool moves inside the range it measured. Unsteady
+        steps make the profile provisional, unless the sweep before it was unsteady too."""
+        before = self._profiles.get(name, profile.fingerprint)
+        profile = profile.model_copy(update={"provisional": bool(profile.unsteady)
+                                             and not (before is not None and before.provisional)})
         self._profiles.put(profile)
         self._set_calibration(self._pools[name], profiled(profile, f"a sweep of this set-up ({profile.created_at})"),
                               profile)

@@ -104,11 +104,18 @@ class Profile(Frozen):
     feasible: bool = True
     decided_by: str = ""  # the rule that set the top of the range (autoscale.knee)
     reason: str
+    # Some steps never measured steady, for the first time on this set-up: a busy host rather
+    # than the set-up may have caused it, so the next start measures again (once).
+    provisional: bool = False
     cudagraph: CudaGraphCheck = CudaGraphCheck()
 
     @property
     def ladder(self) -> tuple[int, ...]:
         return tuple(r.max_active_seqs for r in self.rows)
+
+    @property
+    def unsteady(self) -> tuple[int, ...]:
+        return tuple(r.max_active_seqs for r in self.rows if not r.steady)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -45,8 +45,20 @@ def allowed_range(spec: PoolSpec, state: str, measured: SafeRange | None, calibr
 
 
 def profiled(profile: Profile, source: str) -> CalibrationJson:
-    return CalibrationJson(state="profile", source=source,
-                           detail=f"range {list(profile.range)}, set by the {profile.decided_by or 'knee'} rule")
+    unsteady = f"; steps {list(profile.unsteady)} never measured steady" if profile.unsteady else ""
+    again = ": measured again at the next start" if profile.provisional else ""
+    return CalibrationJson(state="profile", source=source, detail=(
+        f"range {list(profile.range)}, set by the {profile.decided_by or 'knee'} rule{unsteady}{again}"))
+
+
+def _found(spec: PoolSpec, profile: Profile, source: str) -> tuple[CalibrationJson, Profile]:
+    """A provisional profile keeps the pool out of the fallback range while, in `auto` mode, a
+    new sweep measures the set-up again."""
+    if profile.provisional and spec.calibration.mode == "auto":
+        return CalibrationJson(state="calibrating", source=f"{source}; steps {list(profile.unsteady)} not steady",
+                               detail=f"its range {list(profile.range)} until a new sweep has measured this set-up"
+                               ), profile
+    return profiled(profile, source), profile
 
 
 def settle(spec: PoolSpec, fingerprint: Fingerprint | None, profiles: ProfileStore
@@ -63,10 +75,10 @@ def settle(spec: PoolSpec, fingerprint: Fingerprint | None, profiles: ProfileSto
             return CalibrationJson(state="manual", source="limits.range (no fingerprint to look up)"), None
         return profiled(spec.profile, "the configured profile (no fingerprint to check)"), spec.profile
     if (stored := profiles.get(spec.name, fingerprint)) is not None:
-        return profiled(stored, f"the profile store (measured {stored.created_at})"), stored
+        return _found(spec, stored, f"the profile store (measured {stored.created_at})")
     if spec.profile is not None and spec.profile.fingerprint == fingerprint:
         profiles.put(spec.profile)
-        return profiled(spec.profile, "the configured profile"), spec.profile
+        return _found(spec, spec.profile, "the configured profile")
     why = ("; ".join(spec.profile.fingerprint.differences(fingerprint)) if spec.profile is not None
            else "none configured")
     state = {"auto": "calibrating", "fallback": "fallback", "strict": "strict"}[mode]

@@ -139,7 +139,8 @@ class CalibrationJson(Frozen):
     """Where a pool's safe range comes from."""
 
     state: str = Field(description="manual (a configured range) | profile (measured on this set-up) | calibrating "
-                                   "(a sweep runs in the background; the fallback range meanwhile) | fallback | "
+                                   "(a sweep runs in the background; meanwhile the fallback range, or a provisional "
+                                   "profile's) | fallback | "
                                    "strict (no profile for this set-up) | failed (the sweep failed; fallback) | "
                                    "unknown (no replica has reported yet)")
     source: str = ""

@@ -59,6 +59,10 @@ CASES = [
     ("an unsteady step is not evidence",
      ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60, 20, 0.1, 0, 200, False), (8, 2100, 70)),
      None, (1, 2), True, "unsteady", "4 never measured steady"),
+    ("an open loop falls behind what it is offered",  # 4 achieves 3 of 4 req/s offered, the tail still flat
+     ladder((1, 300, 50, 20, 0.1, 0, 30, True, 1.0), (2, 580, 55, 20, 0.1, 0, 60, True, 2.0),
+            (4, 1100, 60, 20, 0.1, 0, 90, True, 4.0), (8, 2100, 70, 20, 0.1, 0, 120, True, 8.0)),
+     None, (1, 2), True, "saturation", "saturated at 4: achieved 3.00 req/s of 4.00 offered"),
     ("a flat curve ends at its plateau",  # the tail creeps, throughput stops growing: no knee, a plateau
      ladder((1, 100, 100), (2, 190, 110), (4, 260, 125), (8, 270, 140), (16, 272, 155), (32, 273, 170)),
      None, (1, 4), True, "plateau", "plateau from 4"),

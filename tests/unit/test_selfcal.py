@@ -16,6 +16,7 @@ from autoscale.calibrate import build_profile
 from autoscale.ranges import PoolSpec
 from autoscale.selfcal import Calibrator
 from autoscale.store import ProfileStore
+from deployments.admin_client import AdminClient
 from infra.state import DirStore, MemoryStore
 from pools.config import CalibrationConfig
 from pools.control import ReplicaStats
@@ -168,3 +169,58 @@ def test_own_traffic_stops_a_step_and_the_pool_serves_at_its_fallback_meanwhile(
     c, unpinned = asyncio.run(go())
     assert (unpinned.low, unpinned.high) == (1, 16)  # the fallback range at once
     assert c.calibration("p").state == "profile"  # the step was measured again later
+
+
+def test_a_pin_is_in_force_only_once_every_replica_echoes_its_epoch(monkeypatch):
+    """`poolserve calibrate` measures a step only after its pin is applied. A report made before
+    the pin (here: every report until the third poll) must not count, whatever it shows."""
+    c = controller(spec())
+    report(c, FP)
+    polls = []
+
+    def call(self, method, path, **kw):
+        if method == "POST":
+            return c.pin("p", kw["json"]["max_active_seqs"], kw["json"]["calibrating"]).model_dump(mode="json")
+        polls.append(path)
+        if len(polls) == 3:
+            report(c, FP)  # the replica's first report after the pin echoes its epoch
+        return {"p": c.status("p").model_dump(mode="json")}
+
+    monkeypatch.setattr(AdminClient, "_call", call)
+    monkeypatch.setattr("deployments.admin_client.time.sleep", lambda s: None)
+    before = c.status("p").epoch
+    result = AdminClient("http://admin", "k").pin("p", 4, calibrating=True)
+    assert result.epoch == before + 1 and len(polls) == 3
+    assert c.status("p").applied(result.epoch) and not c.status("p").applied(result.epoch + 1)
+
+
+def test_unsteady_steps_are_measured_again_once(tmp_path):
+    """A step that hit its time cap may say more about a busy host than about the set-up: its
+    profile keeps the pool out of the fallback range until the next start measures again; a
+    second unsteady sweep is the set-up's answer and is kept."""
+    rows = batching()[:4]
+    unsteady = build_profile("p", (*rows[:3], rows[3].model_copy(update={"steady": False})), Fingerprint(**FP),
+                             SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100), TRAFFIC, KneeRule(), (), "2026-11-30")
+    assert unsteady.unsteady == (8,) and unsteady.range == (1, 4)
+    store = ProfileStore(DirStore(tmp_path))
+
+    def start():
+        c = controller(spec(sweep=(1, 2, 4, 8)), store)
+        report(c, FP)
+        return c
+
+    c = start()
+    assert c.needs_sweep() == ["p"]
+    c.adopt("p", unsteady)
+    assert c.calibration("p").state == "profile" and "measured again at the next start" in c.calibration("p").detail
+    c = start()  # the next start runs in the provisional range while it measures again
+    assert c.calibration("p").state == "calibrating" and "not steady" in c.calibration("p").source
+    assert (c.allowed("p").low, c.allowed("p").high) == (1, 4) and c.needs_sweep() == ["p"]
+    c.adopt("p", unsteady)  # unsteady again: kept for good
+    assert c.calibration("p").state == "profile" and "measured again" not in c.calibration("p").detail
+    c = start()
+    assert c.calibration("p").state == "profile" and c.needs_sweep() == []
+    steady = build_profile("p", rows, Fingerprint(**FP), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100), TRAFFIC,
+                           KneeRule(), (), "2026-12-01")
+    c.adopt("p", steady)
+    assert not store.get("p", Fingerprint(**FP)).provisional
