@@ -33,6 +33,7 @@ role (from /proc), and for poolserve its pools' reports sampled every half secon
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -340,7 +341,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
                     if role in ("replica poolserve:router", "replica poolserve:pool-offline-batch", "HTTP proxy")}
             step(f"profiling {sorted(pids)}")
             spy = threading.Thread(target=lambda: out.__setitem__(
-                "profiles", {k: str(v) for k, v in profile(pids, 15, raw / "profile").items()}))
+                "profiles", {k: str(v.relative_to(REPO)) for k, v in profile(pids, 15, raw / "profile").items()}))
             spy.start()
             ceiling_round("poolserve", raw / "profile-run")
             spy.join()
@@ -349,7 +350,16 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             server.wait(60)
     out["wall_s"] = time.monotonic() - started
     out["targets"] = {k: asdict(v) for k, v in targets.items()}
+    _compress(raw)
     return out
+
+
+def _compress(raw: Path, above: int = 64 * 1024) -> None:
+    """Gzip the run's large raw files (per-request detail and profiles run to megabytes)."""
+    for f in raw.iterdir():
+        if f.suffix != ".gz" and f.stat().st_size > above:
+            f.with_name(f.name + ".gz").write_bytes(gzip.compress(f.read_bytes(), mtime=0))
+            f.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -100,8 +100,10 @@ def _ceiling(d: dict) -> list[str]:
 
 
 def ceiling_section(d: dict, machine: str) -> list[str]:
+    what = ("poolserve against a stock two-pool `ray.serve.llm` deployment given the same cores, engine limits "
+            "and nice, under a batch flood, and every serving path against the bare engine at the ceiling."
+            if d["flood"] else
+            "Every serving path against the bare engine at the ceiling (this run had no flood rounds).")
     return ["## Where the time and the CPU go (`bench/ceiling.py`)", "",
-            "poolserve against a stock two-pool `ray.serve.llm` deployment given the same cores, engine limits "
-            "and nice, under a batch flood, and every serving path against the bare engine at the ceiling. Raw "
-            f"per-request data: `bench/results/raw/{d['run']}/`. Whole run {d['wall_s']:.0f} s. {machine}", "",
-            *_flood(d), *_ceiling(d)]
+            f"{what} Raw per-request data: `bench/results/raw/{d['run']}/`. Whole run {d['wall_s']:.0f} s. {machine}",
+            "", *_flood(d), *_ceiling(d)]

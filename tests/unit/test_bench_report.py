@@ -57,3 +57,39 @@ def test_make_bench_entry_point_and_its_benchmarks_import():
     for module, names in used.items():
         m = importlib.import_module(f"bench.{module}")
         assert all(callable(getattr(m, n)) for n in names), module
+
+
+def test_ceiling_result_keeps_its_raw_data_in_the_repository():
+    d = _load("ceiling")
+    raw = RESULTS / "raw" / d["run"]
+    assert raw.is_dir() and {r["path"] for r in d["ceiling"]} >= {"raw-engine", "vllm-server", "poolserve"}
+    assert all(r["output_tok_s"] > 0 for r in d["ceiling"])
+    for path in d.get("profiles", {}).values():  # kept relative to the repository, so a clone finds them
+        assert not path.startswith("/") and (report.RESULTS.parents[1] / path).is_file(), path
+
+
+def test_ceiling_section_names_the_flood_only_when_the_run_had_one():
+    from bench.report_ceiling import ceiling_section
+
+    run = {"run": "r", "wall_s": 1.0, "flood": [], "c1": [], "ceiling_order": ["raw-engine", "poolserve"],
+           "ceiling": [{"path": "raw-engine", "output_tok_s": 200.0},
+                       {"path": "poolserve", "output_tok_s": 100.0, "cpu_s_per_1k_tokens": {"router": 0.5}}]}
+    text = "\n".join(ceiling_section(run, "machine"))
+    assert "no flood rounds" in text and "under a batch flood" not in text
+    assert "| poolserve | 100 | 0.50x [0.50–0.50] | 0.50 | router 0.50 |" in text
+    flood = {"setup": "poolserve", "online_ttft_ms": {"p99": 10, "p50": 5}, "online_tpot_ms": {"p99": 2},
+             "online_errors": 0, "offline_tok_s": 50, "cpu_s": {"router": 1.0}, "window_s": 10}
+    text = "\n".join(ceiling_section({**run, "flood": [flood, {**flood, "setup": "stock-two-pools"}]}, "machine"))
+    assert "under a batch flood" in text and "| online TTFT P99 (ms) | 10 | 10 | 1.00x [1.00–1.00] |" in text
+
+
+def test_ceiling_compresses_only_the_large_raw_files(tmp_path):
+    import gzip
+
+    from bench.ceiling import _compress
+
+    (tmp_path / "big.json").write_text("x" * 100)
+    (tmp_path / "small.json").write_text("y")
+    _compress(tmp_path, above=10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json.gz", "small.json"]
+    assert gzip.decompress((tmp_path / "big.json.gz").read_bytes()) == b"x" * 100
