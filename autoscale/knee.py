@@ -13,7 +13,11 @@ is [the lowest step, the lowest of those], and the verdict names the rule that s
                while output throughput gains less than `min_gain_pct`, or more than
                `max_growth_per_gain` times its gain. A step that still adds a tenth more
                throughput while multiplying the tail is past the knee, however loose the SLO.
-               Latency is P99 TTFT, or P99 end-to-end for a ladder of whole responses.
+               Latency is P99 TTFT, or P99 end-to-end for an open-loop ladder of whole
+               responses. A closed loop of whole responses has no knee rule: its end-to-end
+               latency is its concurrency over its throughput (Little's law), so its growth
+               restates the throughput gain and would cut a batch pool at a doubling that still
+               pays; the plateau rule ends its range.
   saturation   On an open-loop ladder (rows with an offered rate): the first step that
                achieves less than `saturation_ratio` of what was offered.
   plateau      The smallest step within `plateau_fraction` of the best throughput the hard
@@ -126,7 +130,7 @@ def find_knee(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> KneeRe
             return
         i, why = found
         reasons.append(why)
-        limit = i if inclusive else i - 1
+        limit = max(0, i if inclusive else i - 1)  # a rule tripped at the lowest step leaves that step alone
         if limit < top:
             top, decided_by = limit, name
 
@@ -137,11 +141,15 @@ def find_knee(rows: Sequence[LadderRow], slo: SLOSpec, rule: KneeRule) -> KneeRe
                                                                f"by the {name} rule", name)
     bound(_first_unsafe(rows, slo, rule), "hard limit")
     bound(_first_unsteady(rows), "unsteady")
-    knee = _knee(rows, rule)
+    little = latency_of(rows)[1] == "P99 latency" and not any(r.offered_req_per_s for r in rows)
+    knee = None if little else _knee(rows, rule)
     bound(knee, "knee")
     bound(_saturation(rows, rule), "saturation")
     bound(_plateau(rows, top, rule), "plateau", inclusive=True)
-    if knee is None:
+    if little:
+        reasons.insert(0, "no knee rule for a closed loop of whole responses (its latency is concurrency over "
+                          "throughput)")
+    elif knee is None:
         reasons.insert(0, "no knee within the ladder")
     if rule.headroom_steps and top > 0:
         lowered = max(0, top - rule.headroom_steps)

@@ -27,6 +27,12 @@ def ladder(*points) -> list[LadderRow]:
     return [row(*p) for p in points]
 
 
+def whole(*points, output_tokens: int = 128) -> list[LadderRow]:
+    """A closed loop of whole responses (no TTFT): by Little's law each step's end-to-end
+    latency is its concurrency over its request rate."""
+    return [row(n, tok, 0.0, e2e_p99=1e3 * n * output_tokens / tok) for n, tok in points]
+
+
 CASES = [
     # (name, rows, knee, range, feasible, decided by, fragment of the reason)
     ("clean knee",  # +3% throughput for +50% P99 at 32: knee at 32, range up to 16
@@ -66,6 +72,16 @@ CASES = [
     ("a flat curve ends at its plateau",  # the tail creeps, throughput stops growing: no knee, a plateau
      ladder((1, 100, 100), (2, 190, 110), (4, 260, 125), (8, 270, 140), (16, 272, 155), (32, 273, 170)),
      None, (1, 4), True, "plateau", "plateau from 4"),
+    ("a closed loop of whole responses ends at its plateau, not at a knee",  # 8 -> 16: +14% tok/s, e2e +76%
+     whole((1, 300), (2, 550), (4, 900), (8, 1100), (16, 1250), (32, 1320), (64, 1340)),
+     None, (1, 32), True, "plateau", "no knee rule for a closed loop of whole responses"),
+    ("an open loop of whole responses keeps its knee",  # the tail of a queue, not concurrency over throughput
+     ladder((4, 1000, 0, 20, 0.1, 0, 200, True, 6.5, 500), (8, 1900, 0, 20, 0.1, 0, 200, True, 6.5, 550),
+            (16, 1980, 0, 20, 0.1, 0, 200, True, 6.5, 1650)),
+     16, (4, 8), True, "knee", "P99 latency grew +200%"),
+    ("an open loop saturated at its lowest step keeps that step alone",  # 2 req/s offered, 1 achieved
+     ladder((1, 300, 50, 20, 0.1, 0, 30, True, 2.0), (2, 580, 55, 20, 0.1, 0, 60, True, 4.0)),
+     None, (1, 1), True, "saturation", "saturated at 1"),
     ("no knee within the ladder",
      ladder((1, 300, 50), (2, 580, 55), (4, 1100, 60), (8, 2100, 70)),
      None, (1, 8), True, "ladder", "no knee within the ladder"),
