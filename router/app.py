@@ -36,8 +36,13 @@ from router.policy import PoolRoute, choose_pool, dispatch_plan, resolve_priorit
 from router.pricing import PricedRequest, Pricer, PromptCounter
 from router.quota import Charge, Quota
 from router.stream import PoolStream, Settlement
+from router.turns import Turns
 
 log = logging.getLogger("poolserve.router")
+
+# Prompts counted at once (router.turns): enough to keep the renderer's thread busy, few
+# enough that an interactive request waits for at most this many counts, not for a burst.
+COUNTS_AT_ONCE = 4
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class Router:
         self._auth = Auth(tenants, admin)
         self._limits = BodyLimits(c.max_body_bytes, c.body_timeout_s, c.max_json_depth)
         self._pricer = Pricer(settings.model_id, settings.max_model_len, counter)
+        self._turns = Turns(COUNTS_AT_ONCE)
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
         self._quota = QuotaClient(ledger, quotas, c.lease_fraction, c.lease_ttl_s, clock)
         self._loads = PoolLoads(self._routes, clock, c.view_max_age_s)
@@ -94,7 +100,9 @@ class Router:
             home = self._pool_for(prefix, tenant)
             priority = self._priority(request, tenant, home)
             settlement = self._settlement(tenant, await self._charge(tenant, 0), received)
-            priced = await self._pricer.price(kind, await read_json(request, self._limits))
+            data = await read_json(request, self._limits)
+            async with self._turns.turn(priority):
+                priced = await self._pricer.price(kind, data)
             settlement.charge = await self._charge(tenant, priced.cost, settlement.charge)
             return await self._dispatch(settlement, home, priced, priority)
         except ApiError as e:
