@@ -25,7 +25,8 @@ is [the lowest step, the lowest of those], and the verdict names the rule that s
   headroom     `headroom_steps` below all of that, if asked for.
 
 If even the lowest step is unsafe or unsteady, the profile is marked infeasible and the range
-is that lowest step alone: the pool can run, but not within its SLO on this hardware.
+is that lowest step alone: the pool can run, but not within its SLO on this hardware. An open
+loop saturated at its lowest step keeps that step alone too.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def _pct(new: float, old: float) -> float:
 
 
 def latency_of(rows: Sequence[LadderRow]) -> tuple[list[float], str]:
-    """P99 TTFT where every step measured it, else P99 end to end (a ladder of whole responses)."""
-    if all(r.ttft_ms.p99 > 0 for r in rows):
+    """P99 TTFT where every step that answered anything measured it (a step that answered
+    nothing has no TTFT, and a streamed ladder stays one), else P99 end to end (a ladder
+    of whole responses)."""
+    if all(r.ttft_ms.p99 > 0 for r in rows if r.requests):
         return [r.ttft_ms.p99 for r in rows], "P99 TTFT"
     return [r.e2e_ms.p99 for r in rows], "P99 latency"
 

@@ -79,6 +79,9 @@ CASES = [
      ladder((4, 1000, 0, 20, 0.1, 0, 200, True, 6.5, 500), (8, 1900, 0, 20, 0.1, 0, 200, True, 6.5, 550),
             (16, 1980, 0, 20, 0.1, 0, 200, True, 6.5, 1650)),
      16, (4, 8), True, "knee", "P99 latency grew +200%"),
+    ("a streamed step that answered nothing keeps the ladder streamed, and its knee",  # 64 timed out whole
+     ladder((8, 1000, 100), (16, 1800, 176), (32, 2000, 900), (64, 0, 0, 20, 0.1, 0, 0)),
+     32, (8, 16), True, "knee", "P99 TTFT grew"),
     ("an open loop saturated at its lowest step keeps that step alone",  # 2 req/s offered, 1 achieved
      ladder((1, 300, 50, 20, 0.1, 0, 30, True, 2.0), (2, 580, 55, 20, 0.1, 0, 60, True, 4.0)),
      None, (1, 1), True, "saturation", "saturated at 1"),
