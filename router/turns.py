@@ -28,6 +28,7 @@ class Turns:
         self._busy = 0
         self._waiting: list[tuple[int, int, asyncio.Future]] = []
         self._order = itertools.count()
+        self._left = 0  # waiters that left before their turn since the heap was last swept
 
     @property
     def busy(self) -> int:
@@ -49,17 +50,31 @@ class Turns:
             except BaseException:
                 if handed.done() and not handed.cancelled():  # handed a turn, then left: pass it on
                     self._next()
+                else:
+                    handed.cancel()
+                    self._forget()
                 raise
         try:
             yield
         finally:
             self._next()
 
+    def _forget(self) -> None:
+        """A waiter left before its turn. Its entry goes when it reaches the top, or with all
+        such entries at once when they outnumber the live ones: clients that give up and retry
+        while every turn is taken must not grow the heap without bound."""
+        self._left += 1
+        if self._left > 64 and 2 * self._left > len(self._waiting):
+            self._waiting = [w for w in self._waiting if not w[2].done()]
+            heapq.heapify(self._waiting)
+            self._left = 0
+
     def _next(self) -> None:
         """A turn ends: the most important live waiter takes it, or it goes back."""
         while self._waiting:
             _, _, handed = heapq.heappop(self._waiting)
-            if not handed.done():  # a waiter that left cancelled its future
-                handed.set_result(None)
-                return
+            if handed.done():  # a waiter that left cancelled its future
+                continue
+            handed.set_result(None)
+            return
         self._busy -= 1

@@ -56,11 +56,35 @@ def test_a_waiter_cancelled_after_it_was_handed_a_turn_passes_it_on():
         a, b = asyncio.create_task(waiter("a")), asyncio.create_task(waiter("b"))
         await _settle()
         await held.__aexit__(None, None, None)  # hands the turn to a, whose task has not run since...
+        assert turns.busy == 1 and turns.waiting == 1 and not got  # (a has it, b still waits)
         a.cancel()  # ...and leaves before it does
         await asyncio.gather(a, b, return_exceptions=True)
         assert got == ["b"] and turns.busy == 0 and turns.waiting == 0
 
     _run(main)
+
+
+def test_waiters_that_give_up_while_every_turn_is_taken_do_not_pile_up():
+    async def main():
+        turns = Turns(1)
+        held = turns.turn(0)
+        await held.__aenter__()
+        for _ in range(20):  # clients that give up and retry, while the one turn stays taken
+            tasks = [asyncio.create_task(_wait_turn(turns)) for _ in range(100)]
+            await _settle()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert turns.waiting == 0 and len(turns._waiting) <= 200
+        await held.__aexit__(None, None, None)
+        assert turns.busy == 0 and not turns._waiting
+
+    _run(main)
+
+
+async def _wait_turn(turns: Turns) -> None:
+    async with turns.turn(2):
+        pass
 
 
 def test_width_must_be_positive():
