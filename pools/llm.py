@@ -123,6 +123,8 @@ class RayLLMEngine:
         import asyncio
 
         self._engine = _stat_logging_engine_cls(self)(self._llm_config)
+        if not needs_node_download(self._llm_config):
+            self._llm_config.get_or_create_callback().ctx.run_init_node = False
         await asyncio.wait_for(self._engine.start(), self.START_TIMEOUT_S)
 
     def facts(self):
@@ -168,6 +170,18 @@ class RayLLMEngine:
     async def shutdown(self) -> None:
         if self._engine is not None:
             await self._engine.shutdown()
+
+
+def needs_node_download(llm_config: Any) -> bool:
+    """Whether Ray LLM's node initialisation has work to do before an engine starts. It runs
+    a task on the engine's node that copies the model from cloud storage (s3://, gs://, a
+    mirror); for a directory or a hub id (which vLLM fetches itself) the task only returns
+    the source, yet starts a Ray worker that imports torch first: seconds of every replica
+    start."""
+    from ray.llm._internal.common.utils.cloud_utils import is_remote_path
+
+    engine_config = llm_config.get_engine_config()
+    return engine_config.mirror_config is not None or is_remote_path(engine_config.actual_hf_model_id)
 
 
 def _stat_logging_engine_cls(owner: RayLLMEngine):

@@ -175,6 +175,20 @@ def test_engine_processes_get_their_cores_and_skip_the_broken_aot_cache(model_di
     assert llm_config(r, r.pools["offline-batch"]).runtime_env["env_vars"]["VLLM_USE_AOT_COMPILE"] == "1"
 
 
+@pytest.mark.parametrize("source, download", [
+    ("/models/tiny-llama", False), ("meta-llama/Llama-3.1-8B-Instruct", False),  # vLLM reads or fetches these
+    ("s3://bucket/llama", True), ("gs://bucket/llama", True),  # Ray LLM copies these to the node first
+], ids=["directory", "hub-id", "s3", "gcs"])
+def test_only_a_model_in_cloud_storage_waits_for_ray_llms_node_download(source, download):
+    from ray.serve.llm import LLMConfig
+
+    from pools.llm import needs_node_download
+
+    config = LLMConfig(model_loading_config={"model_id": "m", "model_source": source},
+                       accelerator_config={"kind": "cpu"})
+    assert needs_node_download(config) is download
+
+
 @pytest.mark.parametrize("field", ["router.admin_key_sha256", "tenants.0.key_sha256"])
 def test_a_shipped_example_key_is_refused_where_other_machines_reach_the_router(model_dir, field):
     from router.auth import SHIPPED_KEYS, sha256_hex
