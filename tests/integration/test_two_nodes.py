@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -33,11 +33,15 @@ BASE = f"http://127.0.0.1:{PORT}"
 BIN = Path(sys.executable).parent
 KEY = {"online": "sk-chat-dev", "offline": "sk-batch-dev"}  # the embedded default's development keys
 PR_SET_CHILD_SUBREAPER = 36
+# The cluster's own token: `ray start --head` with token auth needs one to exist already (on a
+# machine that never ran Ray there is no ~/.ray/auth_token), and every node, `poolserve serve`
+# and Ray's CLI send it
+TOKEN = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def cluster_env() -> dict[str, str]:
     """A clean shell's environment, with Ray's CLI sending the cluster's token."""
-    return {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": os.environ["HOME"], "RAY_AUTH_MODE": "token"}
+    return {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": os.environ["HOME"], **TOKEN}
 
 
 def ray(*args: str, timeout: float = 120) -> str:
@@ -57,6 +61,7 @@ def config(tmp: Path) -> dict:
     data["model"]["source"] = str(MODEL)
     data["ray"] = {"address": f"127.0.0.1:{GCS_PORT}"}
     data["router"]["port"] = PORT
+    data["router"]["reach_timeout_s"] = 5  # how soon a lost node's pool answers 503
     data["profiles"] = {"dir": str(tmp / "profiles")}
     data.pop("batches", None)
     for name, node in (("online-chat", "head-node"), ("offline-batch", "worker-node")):
@@ -68,23 +73,29 @@ def config(tmp: Path) -> dict:
     return data
 
 
-def listed(text: str) -> list[dict]:
-    """`ray list ... --format=json`'s answer ("No resource in the cluster" when empty)."""
-    return json.loads(text) if text.lstrip().startswith("[") else []
+def state(kind: str, *filters: tuple[str, str, str]) -> list[dict]:
+    """Ray's state API (what `ray list` asks), straight from the dashboard: a CLI call costs
+    seconds of imports on two busy cores."""
+    params = {"detail": "true", "limit": 1000, "filter_keys": [k for k, _, _ in filters],
+              "filter_predicates": [p for _, p, _ in filters], "filter_values": [v for _, _, v in filters]}
+    r = httpx.get(f"http://127.0.0.1:{DASHBOARD_PORT}/api/v0/{kind}", params=params, timeout=30,
+                  headers={"Authorization": f"Bearer {TOKEN['RAY_AUTH_TOKEN']}"})
+    r.raise_for_status()
+    return r.json()["data"]["result"]["result"]
 
 
 def nodes() -> dict[str, str]:
     """Live node id -> the custom resource it offers."""
-    out = listed(ray("list", "nodes", f"--address=http://127.0.0.1:{DASHBOARD_PORT}", "--format=json",
-                       "--detail", "--filter", "state=ALIVE"))
     return {n["node_id"]: next((r for r in ("head-node", "worker-node") if r in n["resources_total"]), "")
-            for n in out}
+            for n in state("nodes", ("state", "=", "ALIVE"))}
 
 
-def replica_node(deployment: str) -> str | None:
-    out = listed(ray("list", "actors", f"--address=http://127.0.0.1:{DASHBOARD_PORT}", "--format=json",
-                       "--filter", "state=ALIVE", "--filter", f"class_name=ServeReplica:poolserve:{deployment}"))
-    return out[0]["node_id"] if out else None
+def replica_node(deployment: str, alive: bool = True) -> str | None:
+    """The node of the deployment's live replica (or, with alive=False, of one placed there and
+    perhaps still starting)."""
+    found = state("actors", ("class_name", "=", f"ServeReplica:poolserve:{deployment}"),
+                  ("state", "=", "ALIVE") if alive else ("state", "!=", "DEAD"))
+    return next((a["node_id"] for a in found if a.get("node_id")), None)
 
 
 def ask(pool: str, timeout: float = 60) -> httpx.Response:
@@ -131,14 +142,15 @@ def test_two_nodes_each_pool_on_its_node_and_a_lost_node_answers_503(tmp_path):
     with adopted_daemons():
         ray("start", "--head", f"--port={GCS_PORT}", "--num-cpus=4", '--resources={"head-node": 1}',
             "--include-dashboard=true", f"--dashboard-port={DASHBOARD_PORT}", "--disable-usage-stats")
-        console = Console(tmp_path / "config.yaml", RAY_AUTH_MODE="token")  # as docs/kubernetes.md says
+        console = Console(tmp_path / "config.yaml", **TOKEN)  # as docs/kubernetes.md says
         try:
-            # the worker joins once the router and the control plane run on the head, so that its
-            # two CPUs are left for the offline pool's replica and engine alone
+            # the worker joins once the router and the control plane are placed on the head (while
+            # they and the online engine still start), so that its two CPUs are left for the
+            # offline pool's replica and engine alone
             def on_the_head():
                 assert console.proc.poll() is None, "poolserve serve exited:\n" + console.text()
-                return all(replica_node(d) for d in ("router", "autoscale-controller", "quota-ledger"))
-            wait_for(on_the_head, 180, interval=2, what="the router and the control plane on the head")
+                return all(replica_node(d, alive=False) for d in ("router", "autoscale-controller", "quota-ledger"))
+            wait_for(on_the_head, 180, interval=0.5, what="the router and the control plane placed on the head")
             start_worker()
             console.wait_for_line("Ctrl-C stops it.", 300)
             for pool in ("online", "offline"):
