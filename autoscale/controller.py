@@ -34,7 +34,7 @@ from typing import Callable
 from autoscale.config import AutoscaleConfig
 from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
 from autoscale.profile import Fingerprint, Profile
-from autoscale.ranges import PoolSpec, allowed_range, measured_range, profiled, settle
+from autoscale.ranges import PoolSpec, allowed_range, judge_sweep, measured_range, settle
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
@@ -66,6 +66,7 @@ class _PoolState:
     sweep: int | None = None  # a background sweep's pin: never kept across restarts (a new sweep starts)
     fingerprint: Fingerprint | None = None
     last_logged: str = ""
+    discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
 
 
 class Controller:
@@ -242,14 +243,16 @@ class Controller:
         p.calibration = p.calibration.model_copy(update={"detail": detail})
 
     def adopt(self, name: str, profile: Profile) -> None:
-        """A sweep of this set-up finished: the pool moves inside the range it measured. Unsteady
-        steps make the profile provisional, unless the sweep before it was unsteady too."""
-        before = self._profiles.get(name, profile.fingerprint)
-        profile = profile.model_copy(update={"provisional": bool(profile.unsteady)
-                                             and not (before is not None and before.provisional)})
-        self._profiles.put(profile)
-        self._set_calibration(self._pools[name], profiled(profile, f"a sweep of this set-up ({profile.created_at})"),
-                              profile)
+        """A sweep of this set-up finished: the pool moves inside the range it measured, or, if
+        the sweep is not evidence, stays at its fallback range (`autoscale.ranges.judge_sweep`)."""
+        p = self._pools[name]
+        calibration, kept = judge_sweep(profile, self._profiles.get(name, profile.fingerprint), p.discarded_sweeps,
+                                        p.calibration.source)
+        if kept is None:
+            p.discarded_sweeps += 1
+        else:
+            self._profiles.put(kept)
+        self._set_calibration(p, calibration, kept)
 
     def sweep_failed(self, name: str, reason: str) -> None:
         p = self._pools[name]

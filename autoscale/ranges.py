@@ -11,6 +11,8 @@ from pools.config import CalibrationConfig
 from pools.control import CalibrationJson
 from pools.types import SafeRange
 
+SWEEPS_PER_START = 3  # sweeps that are not evidence before a pool gives up until its next start
+
 
 @dataclass(frozen=True)
 class PoolSpec:
@@ -44,11 +46,42 @@ def allowed_range(spec: PoolSpec, state: str, measured: SafeRange | None, calibr
     return r.clamp_to_low() if state == "strict" else (spec.fallback or r)
 
 
+def not_evidence(profile: Profile) -> str | None:
+    """Why a sweep says too little about its set-up to be kept, if it does: its lowest step, or
+    half its steps or more, never measured steady. Kept, its range would be the lowest step
+    alone or a guess, and a busy host (another deployment starting beside it, say) rather
+    than the set-up would have set it."""
+    unsteady = profile.unsteady
+    if profile.rows and not profile.rows[0].steady:
+        return f"its lowest step ({profile.rows[0].max_active_seqs}) never measured steady"
+    if 2 * len(unsteady) >= len(profile.rows):
+        return f"{len(unsteady)} of its {len(profile.rows)} steps never measured steady ({list(unsteady)})"
+    return None
+
+
 def profiled(profile: Profile, source: str) -> CalibrationJson:
     unsteady = f"; steps {list(profile.unsteady)} never measured steady" if profile.unsteady else ""
     again = ": measured again at the next start" if profile.provisional else ""
     return CalibrationJson(state="profile", source=source, detail=(
         f"range {list(profile.range)}, set by the {profile.decided_by or 'knee'} rule{unsteady}{again}"))
+
+
+def judge_sweep(profile: Profile, before: Profile | None, discarded: int, source: str
+                ) -> tuple[CalibrationJson, Profile | None]:
+    """What a finished background sweep does: the pool's calibration, and the profile to keep and
+    run on (None: discarded). Unsteady steps make the profile provisional, unless the sweep before
+    it was unsteady too. A sweep that is not evidence is discarded: the pool stays at its fallback
+    range and sweeps again, `SWEEPS_PER_START` times at most (`discarded` already were)."""
+    if (why := not_evidence(profile)) is not None:
+        if discarded + 1 >= SWEEPS_PER_START:
+            return CalibrationJson(state="failed", source=source, detail=(
+                f"{discarded + 1} sweeps were not evidence, the last because {why}: the fallback range until the "
+                "next start measures again")), None
+        return CalibrationJson(state="calibrating", source=source, detail=(
+            f"a sweep was discarded ({why}): the fallback range while it measures again")), None
+    profile = profile.model_copy(update={"provisional": bool(profile.unsteady)
+                                         and not (before is not None and before.provisional)})
+    return profiled(profile, f"a sweep of this set-up ({profile.created_at})"), profile
 
 
 def _found(spec: PoolSpec, profile: Profile, source: str) -> tuple[CalibrationJson, Profile]:

@@ -224,3 +224,26 @@ def test_unsteady_steps_are_measured_again_once(tmp_path):
                            KneeRule(), (), "2026-12-01")
     c.adopt("p", steady)
     assert not store.get("p", Fingerprint(**FP)).provisional
+
+
+@pytest.mark.parametrize("unsteady", [(0,), (1, 2), (0, 1, 2, 3)], ids=["lowest", "half", "all"])
+def test_a_sweep_that_is_not_evidence_is_neither_kept_nor_adopted(unsteady):
+    """A sweep whose lowest step, or half its steps, never measured steady would set the range
+    from a busy host (the lowest step alone: batch size 1); the pool stays at its fallback and
+    sweeps again, and gives up for this start after three such sweeps."""
+    rows = [r.model_copy(update={"steady": i not in unsteady}) for i, r in enumerate(batching()[:4])]
+    profile = build_profile("p", rows, Fingerprint(**FP), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100), TRAFFIC,
+                            KneeRule(), (), "2026-12-02")
+    store = ProfileStore(MemoryStore())
+    c = controller(spec(sweep=(1, 2, 4, 8)), store)
+    report(c, FP)
+    for attempt in (1, 2):
+        c.adopt("p", profile)
+        assert store.get("p", Fingerprint(**FP)) is None, f"sweep {attempt} was kept"
+        assert c.calibration("p").state == "calibrating" and "discarded" in c.calibration("p").detail
+        assert (c.allowed("p").low, c.allowed("p").high) == (FALLBACK.low, FALLBACK.high)
+        assert c.needs_sweep() == ["p"]
+    c.adopt("p", profile)
+    assert c.calibration("p").state == "failed" and c.needs_sweep() == []
+    assert (c.allowed("p").low, c.allowed("p").high) == (FALLBACK.low, FALLBACK.high)
+    assert store.get("p", Fingerprint(**FP)) is None
