@@ -3,9 +3,10 @@
 Pure: rows in, verdict out. Every rule below proposes a highest usable step; the safe range
 is [the lowest step, the lowest of those], and the verdict names the rule that set it.
 
-  hard limits  A step that breaks the SLO (P99 TTFT or P99 TPOT, where measured), runs the KV
-               cache above the watermark, or errs more than allowed is unsafe, and so is every
-               step above it.
+  hard limits  A step that breaks the SLO (P99 TTFT or P99 TPOT, where measured; for whole
+               responses, P99 end to end above the TTFT SLO plus the TPOT SLO for each further
+               token of the step's mean response), runs the KV cache above the watermark, or errs
+               more than allowed is unsafe, and so is every step above it.
   unsteady     A step whose measurement never became steady (it hit its time cap) is not
                evidence: the range stops below it.
   knee         Saturation, judged from the curve's shape and not from the SLO: the first step
@@ -20,8 +21,8 @@ is [the lowest step, the lowest of those], and the verdict names the rule that s
                pays; the plateau rule ends its range.
   saturation   On an open-loop ladder (rows with an offered rate): the first step that
                achieves less than `saturation_ratio` of what was offered.
-  plateau      The smallest step within `plateau_fraction` of the best throughput the hard
-               limits allow: above it a larger batch buys (almost) nothing.
+  plateau      The smallest step within `plateau_fraction` of the best throughput among the
+               steps the rules above leave: above it a larger batch buys (almost) nothing.
   headroom     `headroom_steps` below all of that, if asked for.
 
 If even the lowest step is unsafe or unsteady, the profile is marked infeasible and the range
@@ -53,6 +54,12 @@ def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
         out.append(f"P99 TTFT {row.ttft_ms.p99:.0f} ms > SLO {slo.ttft_p99_ms:.0f} ms")
     if row.tpot_ms.p99 > slo.tpot_p99_ms:
         out.append(f"P99 TPOT {row.tpot_ms.p99:.1f} ms > SLO {slo.tpot_p99_ms:.1f} ms")
+    if row.ttft_ms.p99 <= 0 < row.e2e_ms.p99 and row.req_per_s > 0:  # whole responses: no first token to time
+        tokens = row.output_tok_per_s / row.req_per_s
+        bound = slo.ttft_p99_ms + max(tokens - 1, 0) * slo.tpot_p99_ms
+        if row.e2e_ms.p99 > bound:
+            out.append(f"P99 latency {row.e2e_ms.p99:.0f} ms > {bound:.0f} ms, what the SLO allows a streamed "
+                       f"response of its {tokens:.0f} tokens")
     if row.kv_usage_max > rule.kv_watermark:
         out.append(f"KV usage {row.kv_usage_max:.0%} > watermark {rule.kv_watermark:.0%}")
     total = row.requests + row.errors

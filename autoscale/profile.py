@@ -66,7 +66,7 @@ class KneeRule(Frozen):
     output throughput gains less than `min_gain_pct`, or more than `max_growth_per_gain` times
     its gain; on an open-loop ladder also the first step that achieves less than
     `saturation_ratio` of the load offered. Plateau: nothing above the smallest step within
-    `plateau_fraction` of the best throughput the hard limits allow."""
+    `plateau_fraction` of the best throughput among the steps the other rules leave."""
 
     min_gain_pct: float = 10.0
     max_p99_growth_pct: float = 40.0

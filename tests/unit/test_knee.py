@@ -33,6 +33,11 @@ def whole(*points, output_tokens: int = 128) -> list[LadderRow]:
     return [row(n, tok, 0.0, e2e_p99=1e3 * n * output_tokens / tok) for n, tok in points]
 
 
+def responses(*points, output_tokens: int = 128) -> list[LadderRow]:
+    """Whole responses of `output_tokens` each (no TTFT, no TPOT): (seqs, output tok/s, P99 ms)."""
+    return [row(n, tok, 0.0, 0.0, requests=round(30 * tok / output_tokens), e2e_p99=e2e) for n, tok, e2e in points]
+
+
 CASES = [
     # (name, rows, knee, range, feasible, decided by, fragment of the reason)
     ("clean knee",  # +3% throughput for +50% P99 at 32: knee at 32, range up to 16
@@ -41,7 +46,7 @@ CASES = [
     ("noisy plateau",  # small ups and downs of throughput while the tail climbs
      ladder((1, 300, 300), (2, 580, 320), (4, 1100, 350), (8, 1130, 560), (16, 1110, 700), (32, 1150, 950)),
      8, (1, 4), True, "knee", "knee at 8"),
-    ("tenth more throughput for a multiplied tail",  # gain 10% >= the 10% floor, but growth 200% > 4 x gain
+    ("tenth more throughput for a multiplied tail",  # gain 10% >= the 10% floor, but growth 200% > 5 x gain
      ladder((4, 1000, 200), (8, 1800, 240), (16, 1980, 720)),
      16, (4, 8), True, "knee", "knee at 16"),
     ("growth far below the SLO still counts",  # +150% tail for +26% throughput is saturating, SLO or not
@@ -79,6 +84,9 @@ CASES = [
      ladder((4, 1000, 0, 20, 0.1, 0, 200, True, 6.5, 500), (8, 1900, 0, 20, 0.1, 0, 200, True, 6.5, 550),
             (16, 1980, 0, 20, 0.1, 0, 200, True, 6.5, 1650)),
      16, (4, 8), True, "knee", "P99 latency grew +200%"),
+    ("whole responses slower than the SLO lets a streamed one of their length",  # 1000 + 127 x 100 ms
+     responses((4, 1000, 4000), (8, 1900, 8000), (16, 3400, 16000), (32, 3500, 30000)),
+     None, (4, 8), True, "hard limit", "16 is unsafe: P99 latency 16000 ms > 1369"),
     ("a streamed step that answered nothing keeps the ladder streamed, and its knee",  # 64 timed out whole
      ladder((8, 1000, 100), (16, 1800, 176), (32, 2000, 900), (64, 0, 0, 20, 0.1, 0, 0)),
      32, (8, 16), True, "knee", "P99 TTFT grew"),

@@ -9,7 +9,7 @@ import pytest
 
 from autoscale.knee import find_knee
 from autoscale.profile import KneeRule, SLOSpec
-from tests.unit.knee_fixtures import FIXTURES
+from tests.unit.knee_fixtures import FIXTURES, SLOS_MS
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = [(f, slo) for f in FIXTURES for slo in f.expected]
@@ -23,10 +23,9 @@ def test_safe_range_on_each_fixture_at_each_slo(fixture, slo):
     assert f"set by the {rule} rule" in verdict.reason
 
 
-def test_the_formula_fixtures_cover_100ms_to_60s():
+def test_every_fixture_is_judged_at_every_slo_from_100ms_to_60s():
     for f in FIXTURES:
-        if f.source == "formula":
-            assert set(f.expected) == {100, 1_000, 10_000, 60_000}, f.name
+        assert set(SLOS_MS) <= set(f.expected), f.name
 
 
 def test_each_fixture_has_its_plot_and_its_row_in_the_doc():
