@@ -14,6 +14,8 @@ is [the lowest step, the lowest of those], and the verdict names the rule that s
                while output throughput gains less than `min_gain_pct`, or more than
                `max_growth_per_gain` times its gain. A step that still adds a tenth more
                throughput while multiplying the tail is past the knee, however loose the SLO.
+               A step whose next step still gains more than `resumed_gain_pct` is not a knee:
+               a saturated curve does not climb again, a dip in one step's measurement does.
                Latency is P99 TTFT, or P99 end-to-end for an open-loop ladder of whole
                responses. A closed loop of whole responses has no knee rule: its end-to-end
                latency is its concurrency over its throughput (Little's law), so its growth
@@ -101,6 +103,8 @@ def _knee(rows: Sequence[LadderRow], rule: KneeRule) -> tuple[int, str] | None:
         if growth < rule.max_p99_growth_pct or latency[i] - latency[i - 1] < rule.min_p99_delta_ms:
             continue
         if gain < rule.min_gain_pct or growth > rule.max_growth_per_gain * gain:
+            if i + 1 < len(rows) and _pct(rows[i + 1].output_tok_per_s, rows[i].output_tok_per_s) > rule.resumed_gain_pct:
+                continue  # the curve climbs again after it: a dip in the measurement, not saturation
             return i, (f"knee at {rows[i].max_active_seqs}: from {rows[i - 1].max_active_seqs} to "
                        f"{rows[i].max_active_seqs} sequences output throughput changed {gain:+.0f}% while {name} "
                        f"grew {growth:+.0f}%")

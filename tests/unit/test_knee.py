@@ -52,6 +52,9 @@ CASES = [
     ("growth far below the SLO still counts",  # +150% tail for +26% throughput is saturating, SLO or not
      ladder((1, 300, 60), (2, 560, 100), (4, 700, 250), (8, 800, 400)),
      4, (1, 2), True, "knee", "knee at 4"),
+    ("a dip in one step's throughput is not a knee when the curve climbs again",  # a chat sweep on a 2-core box
+     ladder((1, 203, 42), (2, 300, 90), (4, 562, 108), (8, 584, 165), (16, 821, 289), (32, 948, 684)),
+     32, (1, 16), True, "knee", "knee at 32"),
     ("tail moves below the noise floor",  # +60% of a 20 ms tail is 12 ms: noise
      ladder((1, 300, 20), (2, 310, 32), (4, 600, 40)),
      None, (1, 4), True, "ladder", "no knee within the ladder"),
