@@ -28,7 +28,7 @@ from autoscale.calibrate import build_profile
 from autoscale.controller import Controller
 from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec
 from infra.results import Result
-from infra.stats import percentile
+from infra.stats import counter_rate, percentile
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
 from pools.llm import request_models
 from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Rejected
@@ -202,18 +202,9 @@ class Calibrator:
                            **lengths.stats())
 
 
-def _tokens_at(samples: list[_Sample], t: float) -> float | None:
-    """The engines' token count at time t, interpolated between the samples around it."""
-    for s0, s1 in zip(samples, samples[1:]):
-        if s0.t <= t <= s1.t:
-            return s0.tokens + (s1.tokens - s0.tokens) * ((t - s0.t) / (s1.t - s0.t) if s1.t > s0.t else 0.0)
-    return None
-
-
 def _rate(samples: list[_Sample], a: float, b: float) -> float:
     """Engine tokens per second between a and b."""
-    x, y = _tokens_at(samples, a), _tokens_at(samples, b)
-    return 0.0 if x is None or y is None or b <= a else (y - x) / (b - a)
+    return counter_rate([(s.t, s.tokens) for s in samples], a, b) or 0.0
 
 
 def _pcts(xs: list[float]) -> Percentiles:

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from infra.stats import counter_at, counter_rate
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 LOCAL = REPO / "deployments" / "configs" / "local.yaml"
@@ -141,10 +143,7 @@ class EngineTokens:
 
     def at(self, t: float) -> float | None:
         """The count at time `t` (time.monotonic()), interpolated between samples."""
-        for (t0, v0), (t1, v1) in zip(self.samples, self.samples[1:]):
-            if t0 <= t <= t1:
-                return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
-        return None
+        return counter_at(self.samples, t)
 
     def limit_range(self, pool: str, start: float, seconds: float) -> list[int] | None:
         """[lowest, highest] max_active_seqs of `pool` seen in the window."""
@@ -153,8 +152,7 @@ class EngineTokens:
 
     def rate(self, start: float, seconds: float) -> float | None:
         """Tokens per second the engines generated in [start, start + seconds]."""
-        a, b = self.at(start), self.at(start + seconds)
-        return None if a is None or b is None or b < a else (b - a) / seconds
+        return counter_rate(self.samples, start, start + seconds) if seconds > 0 else None
 
 
 @contextmanager

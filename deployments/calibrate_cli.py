@@ -4,9 +4,10 @@ The stack must be running (`make serve`). For each step the pool is pinned throu
 admin API (calibration mode: any step up to the engine's max_num_seqs; the autoscaler and
 borrowing leave a calibrating pool alone), a closed loop of exactly that many streams
 runs with the pool's traffic shape (`calibration.lengths` and `.stream`: trace-shaped chat, or
-batch work of fixed lengths sent whole) until output throughput is steady (or a time cap), and KV
-usage and preemptions are sampled from the replicas' reports. Then the knee finder picks
-the safe range, and the profile YAML, a PNG and a markdown table are written.
+batch work of fixed lengths sent whole) until output throughput is steady (or a time cap).
+Throughput, KV usage and preemptions come from the engines' own counters in the replicas'
+reports. Then the knee finder picks the safe range, and the profile YAML, a PNG and a
+markdown table are written.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,15 +25,24 @@ from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SL
                                load_profile)
 from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
+from infra.stats import counter_rate
 from infra.traffic import synthetic_lengths, trace_lengths
 
 
-class EngineSampler:
-    """Samples the pool's replicas once a second: peak KV usage, preemptions during a step."""
+REPORT_LAG_S = 3.0  # how late the engines' counts reach this process: a report interval, the admin call
 
-    def __init__(self, admin: AdminClient, pool: str) -> None:
-        self._admin, self._pool = admin, pool
+
+class EngineSampler:
+    """Samples the pool's replicas every `every_s`: their engines' generated tokens (so a step's
+    throughput is the engines' own count, not lumps of completed responses), peak KV usage and
+    preemptions. Each count is placed at the time its replica reported it, not when it was read
+    (reports arrive every report interval and the admin API answers late under load). A failed
+    sample is logged and skipped: the next one fills the gap."""
+
+    def __init__(self, admin: AdminClient, pool: str, every_s: float = 0.5) -> None:
+        self._admin, self._pool, self._every = admin, pool, every_s
         self.kv_max, self._stop = 0.0, threading.Event()
+        self.tokens: dict[str, list[tuple[float, int]]] = {}  # replica -> (time.monotonic(), generated tokens)
         self._pre0 = self._preemptions()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -41,15 +52,36 @@ class EngineSampler:
     def _preemptions(self) -> int:
         return sum(r.engine.preemptions for r in self._replicas())
 
+    def _sample(self) -> None:
+        replicas = self._replicas()
+        monotonic_minus_wall = time.monotonic() - time.time()
+        for r in replicas:
+            series = self.tokens.setdefault(r.replica, [])
+            at = r.reported_at + monotonic_minus_wall
+            if not series or at > series[-1][0]:
+                series.append((at, r.engine.generated_tokens))
+        self.kv_max = max([self.kv_max] + [r.engine.kv_usage for r in replicas])
+
     def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            self.kv_max = max([self.kv_max] + [r.engine.kv_usage for r in self._replicas()])
+        while not self._stop.is_set():
+            try:
+                self._sample()
+            except Exception as e:  # noqa: BLE001 - the admin API is briefly unreachable, say
+                print(f"  (a sample of the pool's reports failed: {type(e).__name__}: {e})", file=sys.stderr)
+            self._stop.wait(self._every)
+
+    def rate(self, a: float, b: float) -> float | None:
+        """The engines' output tokens per second over [a, b]; None where a replica's reports do
+        not cover it."""
+        rates = [counter_rate(list(series), a, b) for series in list(self.tokens.values())]
+        return None if not rates or None in rates else sum(rates)
 
     def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
+        self._stop.wait(self._every * 2)  # a last sample or two past the window's end
         self._stop.set()
         self._thread.join()
         self.preemptions = self._preemptions() - self._pre0
@@ -62,12 +94,15 @@ def _pct(d: dict) -> Percentiles:
 def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec, seqs: int) -> LadderRow:
     with EngineSampler(admin, args.pool) as sampler:
         run = asyncio.run(closed_loop_until_steady(target, seqs, lengths, args.warmup, args.check, args.min_measure,
-                                                   args.cap, seed=args.seed))
+                                                   args.cap, seed=args.seed, output_rate=sampler.rate,
+                                                   rate_lag_s=REPORT_LAG_S))
     s = run.summary(slo.ttft_p99_ms / 1e3, slo.tpot_p99_ms / 1e3)
+    engine_rate = sampler.rate(run.measure_from, run.measure_from + run.measure_s)
     errors = round(s.error_rate * s.requests)
     return LadderRow(
         max_active_seqs=seqs, requests=s.requests, duration_s=round(s.duration_s, 2), steady=run.steady,
-        req_per_s=s.req_per_s, input_tok_per_s=s.input_tok_per_s, output_tok_per_s=s.output_tok_per_s,
+        req_per_s=s.req_per_s, input_tok_per_s=s.input_tok_per_s,
+        output_tok_per_s=s.output_tok_per_s if engine_rate is None else engine_rate,
         goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
         e2e_ms=_pct(s.e2e_ms), kv_usage_max=sampler.kv_max, preemptions=sampler.preemptions, errors=errors,
         rejections=round(s.rejection_rate * s.requests),

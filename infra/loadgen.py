@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -210,11 +211,17 @@ async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window
 
 async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Lengths, warmup_s: float,
                                   check_s: float, min_s: float, cap_s: float, tolerance: float = 0.1,
-                                  seed: int = 0) -> "Run":
+                                  seed: int = 0, output_rate: Callable[[float, float], float | None] | None = None,
+                                  rate_lag_s: float = 0.0) -> "Run":
     """A closed loop that runs past its warm-up until output throughput is steady: the last
     max(2, min_s / check_s) chunks of `check_s` each within `tolerance` of their mean. The run
     reports those steady chunks only, not the time before them. At most `cap_s` after the
-    warm-up; then `Run.steady` is False and the whole time after the warm-up is reported."""
+    warm-up; then `Run.steady` is False and the whole time after the warm-up is reported.
+
+    Throughput is `output_rate(a, b)` where given (the engines' own token counters, known
+    `rate_lag_s` late; None where it does not know yet), else the tokens of the responses
+    completed in each chunk: lumpy for whole responses of one length, which a pool's slots
+    finish in waves, so such a loop seldom looks steady by completions."""
     rng = random.Random(seed)
     results: list[Result] = []
     stop = asyncio.Event()
@@ -226,8 +233,11 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
             p, o = lengths.sample(rng)
             results.append(await send(client, target, make_prompt(p, rng), o))
 
-    def rate(a: float, b: float) -> float:
+    def completions(a: float, b: float) -> float:
         return sum(r.output_tokens for r in results if r.ok and r.e2e and a <= r.start + r.e2e < b) / (b - a)
+
+    def rate(a: float, b: float) -> float | None:
+        return output_rate(a, b) if output_rate is not None else completions(a, b)
 
     async with _client(concurrency) as client:
         with LoopLag() as lag:
@@ -236,16 +246,18 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
             window, steady = (start, start), False
             while not steady and time.monotonic() - start < cap_s:
                 await asyncio.sleep(check_s)
-                now = time.monotonic()
+                now = time.monotonic() - rate_lag_s
                 edges = [now - k * check_s for k in range(needed, -1, -1)]
                 if edges[0] < start:
                     continue
                 chunks = [rate(a, b) for a, b in zip(edges, edges[1:])]
+                if None in chunks:
+                    continue
                 mean = sum(chunks) / len(chunks)
                 steady = mean > 0 and all(abs(c - mean) <= tolerance * mean for c in chunks)
                 window = (edges[0], now)
             if not steady:
-                window = (start, time.monotonic())
+                window = (start, time.monotonic() - rate_lag_s)
             stop.set()
             await asyncio.gather(*workers)
     run = Run(results, window[0], window[1] - window[0], lag.summary(), "closed", concurrency)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -13,3 +14,19 @@ def percentile(values: list[float], q: float) -> float:
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def counter_at(samples: Sequence[tuple[float, float]], t: float) -> float | None:
+    """A cumulative counter's value at time t, interpolated between the (time, count) samples
+    around it; None outside them."""
+    for (t0, v0), (t1, v1) in zip(samples, samples[1:]):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+    return None
+
+
+def counter_rate(samples: Sequence[tuple[float, float]], a: float, b: float) -> float | None:
+    """The counter's rate over [a, b]; None outside the samples, or where the count fell (its
+    source restarted and began again)."""
+    x, y = counter_at(samples, a), counter_at(samples, b)
+    return None if x is None or y is None or y < x or b <= a else (y - x) / (b - a)
