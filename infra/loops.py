@@ -56,4 +56,6 @@ class Loops:
                 if failing:
                     log.info("%s: %s works again", self._owner, name)
                 failing = False
+            if asyncio.current_task().cancelling():  # the step swallowed its cancellation (3.11's wait_for can)
+                raise asyncio.CancelledError
             await asyncio.sleep(interval_s)
