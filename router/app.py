@@ -71,7 +71,7 @@ class Router:
         self._pricer = Pricer(settings.model_id, settings.max_model_len, counter)
         self._turns = Turns(COUNTS_AT_ONCE)
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
-        self._quota = QuotaClient(ledger, quotas, c.lease_fraction, c.lease_ttl_s, clock)
+        self._quota = QuotaClient(ledger, quotas, c.lease_fraction, clock)
         self._loads = PoolLoads(self._routes, clock, c.view_max_age_s)
         self._metrics = RouterMetrics()
         self.admin = Admin(self._auth, controller, pools, self._limits)

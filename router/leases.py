@@ -3,7 +3,7 @@
 `LedgerService` is what the builder deploys as the one shared ledger (a Ray actor behind a
 Serve handle). `QuotaClient` lives in every router replica: it charges requests from
 its `LeaseBook` without awaiting, asks the ledger only when a lease runs short, and
-hands unused balances back every `sync_interval_s`.
+hands unused balances back at each `sync` (the router's loop calls it every lease TTL).
 """
 
 from __future__ import annotations
@@ -81,20 +81,17 @@ class QuotaClient:
 
     MAX_REFILLS = 8  # per charge: requests charging from the lease meanwhile may spend a refill
 
-    def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float, sync_interval_s: float,
+    def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ledger = ledger  # a handle to LedgerService (or the object itself in tests)
         self._book = LeaseBook(quotas, lease_fraction)
         self._holder = uuid.uuid4().hex[:12]
         self._locks = {t: asyncio.Lock() for t in quotas}
-        self._sync_interval_s = sync_interval_s
         self._clock = clock
-        self._syncer: asyncio.Task | None = None
 
     async def charge(self, tenant: str, tokens: int, new_request: bool = True) -> Charge:
         """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
         QuotaExceeded with an honest retry-after, or QuotaUnavailable."""
-        self._ensure_syncer()
         if (too_large := self._book.too_large(tenant, tokens)) is not None:
             raise QuotaExceeded(too_large)
         result = self._book.try_charge(tenant, tokens, new_request, self._clock())
@@ -157,10 +154,6 @@ class QuotaClient:
         fn = getattr(self._ledger, method)
         return await (fn.remote(*args) if hasattr(fn, "remote") else fn(*args))
 
-    def _ensure_syncer(self) -> None:
-        if self._syncer is None:
-            self._syncer = asyncio.get_running_loop().create_task(self._sync_loop())
-
     async def sync(self) -> None:
         """Hand unused balances back so other router replicas can spend them, and tell the
         ledger how many slots this replica holds. The call is shielded: once the balances
@@ -180,14 +173,6 @@ class QuotaClient:
                     self._book.owe(tenant, min(0.0, tok))
                     continue
                 self._book.add(tenant, grant, sent)
-
-    async def _sync_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._sync_interval_s)
-            try:
-                await self.sync()
-            except Exception:  # a bug in one sync must not end the loop
-                log.exception("quota sync failed")
 
 
 async def _outlast(future: asyncio.Future) -> None:

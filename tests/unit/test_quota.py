@@ -196,7 +196,7 @@ def test_a_client_leaving_during_a_grant_does_not_leak_the_slot():
     async def go():
         quotas = {"t": Quota(max_concurrent=1)}
         led = SlowLedger(quotas)
-        client = QuotaClient(led, quotas, 0.1, 3600)
+        client = QuotaClient(led, quotas, 0.1)
         led.gate = asyncio.Event()
         first = asyncio.create_task(client.charge("t", 10))
         await asyncio.sleep(0.01)
@@ -216,7 +216,7 @@ def test_a_lease_spent_by_others_during_a_grant_is_a_refusal_not_a_crash():
     async def go():
         quotas = {"t": Quota(tokens_per_min=300)}  # lease chunks of 30 tokens
         led = SlowLedger(quotas)
-        client = QuotaClient(led, quotas, 0.1, 3600)
+        client = QuotaClient(led, quotas, 0.1)
         await client.charge("t", 50)  # granted 50 + 30: 30 left in the lease
         led.gate = asyncio.Event()
         big = asyncio.create_task(client.charge("t", 250))  # asks for the 220 left in the bucket
@@ -291,8 +291,17 @@ def test_a_burst_against_one_quota_is_refused_for_the_limit_it_reached(seed):
 
     async def go():
         quotas = {"t": Quota(requests_per_min=600, tokens_per_min=1200, max_concurrent=8)}
-        client = QuotaClient(LaggingLedger(quotas, random.Random(seed)), quotas, 0.1, 0.003)
-        return await asyncio.gather(*(one(client) for _ in range(8)))
+        client = QuotaClient(LaggingLedger(quotas, random.Random(seed)), quotas, 0.1)
+
+        async def syncs():  # as the router's loop calls it, every few milliseconds here
+            while True:
+                await asyncio.sleep(0.003)
+                await client.sync()
+        syncing = asyncio.get_running_loop().create_task(syncs())
+        try:
+            return await asyncio.gather(*(one(client) for _ in range(8)))
+        finally:
+            syncing.cancel()
 
     assert sorted(asyncio.run(go())) == ["ok"] * 5 + ["tokens"] * 3
 
@@ -308,7 +317,7 @@ def test_a_request_over_the_minutes_tokens_is_too_large_whatever_the_lease_holds
 
     async def go():
         quotas = {"t": Quota(tokens_per_min=1200)}
-        client = QuotaClient(LedgerService(quotas), quotas, 0.1, 3600)
+        client = QuotaClient(LedgerService(quotas), quotas, 0.1)
         await client.charge("t", 10)  # 10 tokens, and a chunk more into the lease
         assert client._book.lease("t").tokens == 120
         with pytest.raises(QuotaExceeded) as e:

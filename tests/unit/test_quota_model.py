@@ -71,7 +71,7 @@ class World:
         self.now, self.moving = 0.0, rng.random() < 0.5
         self.service = LedgerService({"t": self.quota}, clock=lambda: self.now)
         self.ledger = FlakyLedger(self.service, rng, rng.choice([0.0, 0.0, 0.2]))
-        self.clients = [QuotaClient(self.ledger, {"t": self.quota}, rng.choice([0.1, 0.3]), 3600,
+        self.clients = [QuotaClient(self.ledger, {"t": self.quota}, rng.choice([0.1, 0.3]),
                                     clock=lambda: self.now) for _ in range(rng.randint(1, 3))]
         self.expiries = [0] * len(self.clients)  # times the ledger took a replica's slots back
         self.running: dict[int, tuple[int, int]] = {}  # request -> (replica, its expiries at the start)
@@ -84,8 +84,6 @@ class World:
                 if c._holder in before - set(acct.seen):
                     self.expiries[k] += 1
         ledger._expire_holders = spied
-        for c in self.clients:
-            c._syncer = asyncio.get_running_loop().create_future()  # syncs run when the schedule says
         self.inflight = [0] * len(self.clients)
         self.charged = 0  # requests charged (a request and a slot)
         self.consumed = 0  # tokens: real usage, or the charge where usage is unknown

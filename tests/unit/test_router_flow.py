@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from pools.control import PoolView
 from router.ingress import make_app
-from tests.unit.router_harness import FakePool, answer, auth, client, make_router
+from router.quota import Quota
+from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -180,3 +182,32 @@ def _request(body: dict, tenant: str):
         return {"type": "http.request", "body": raw, "more_body": False}
 
     return Request(_scope("/p/v1/chat/completions", tenant), receive)
+
+
+def test_the_quota_is_synced_by_one_loop():
+    """The router's loop syncs the quota every lease TTL; the quota client once started a second
+    loop of its own at its first charge, which settled with the ledger twice as often. One loop
+    settles each tenant at most once at its start and once per interval after it."""
+    from router.leases import LedgerService
+
+    class Counting(LedgerService):
+        settles = 0
+
+        async def settle(self, *args):
+            Counting.settles += 1
+            return await super().settle(*args)
+
+    async def go():
+        router, _ = make_router(lease_ttl_s=0.2)
+        router._quota._ledger = Counting({t.name: Quota(**t.quota.model_dump()) for t in TENANTS})
+        await router.warm()
+        started = time.monotonic()
+        async with client(router) as c:
+            r = await c.post("/p/v1/completions", headers=auth("b"), json={"model": "m", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        await asyncio.sleep(1.0)
+        await router.close()
+        return Counting.settles, time.monotonic() - started
+
+    settles, seconds = asyncio.run(go())
+    assert settles <= (1 + int(seconds / 0.2)) * len(TENANTS), (settles, seconds)
