@@ -38,6 +38,9 @@ class ControllerService:
         self._loops.start("tick", self._tick, config.interval_s, first_delay_s=config.interval_s)
         self._loops.start("calibration", self._calibrator.step, 2.0, first_delay_s=2.0)
 
+    async def close(self) -> None:
+        await self._loops.stop()
+
     async def _tick(self) -> None:
         for d in self.controller.tick():
             self._metrics.decision(d.pool, d.action, d.code, d.new if d.applied else d.old)

@@ -12,6 +12,7 @@ Serve wiring lives here and nowhere else.
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,29 @@ def internal_logging(resolved: Resolved) -> dict[str, Any]:
     return {"enable_access_log": resolved.config.ray.access_logs}
 
 
+def closed_on_shutdown(cls: type) -> type:
+    """`cls` with the `__del__` that Serve calls, awaiting what it returns, when it stops a
+    replica: the replica's `close()` stops its background loops (and a pool's engine) there,
+    then any `__del__` of `cls` runs (Serve's ingress wrapper shuts its ASGI app down in one).
+    Only the first call does it: garbage collection calls `__del__` again and gets nothing to
+    await."""
+    def __del__(self):
+        if self.__dict__.get("_closed_on_shutdown"):
+            return None
+        self._closed_on_shutdown = True
+        base = getattr(super(closed, self), "__del__", None)
+
+        async def shut_down() -> None:
+            await self.close()
+            if base is not None and inspect.isawaitable(result := base()):
+                await result
+        return shut_down()
+
+    closed = type(cls.__name__, (cls,), {"__del__": __del__, "__qualname__": cls.__qualname__,
+                                          "__module__": cls.__module__})
+    return closed
+
+
 def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | None) -> Application:
     from pools.llm import deployment_options
     from pools.server import PoolServer
@@ -158,7 +182,7 @@ def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | N
     config = llm_config(resolved, rp)
     options = {**deployment_options(config), "name": pool_deployment_name(rp.name),
                "logging_config": internal_logging(resolved)}
-    return serve.deployment(PoolServer, **options).bind(
+    return serve.deployment(closed_on_shutdown(PoolServer), **options).bind(
         llm_config=config, settings=pool_settings(resolved, rp), controller=controller)
 
 
@@ -176,7 +200,8 @@ def profile_store(resolved: Resolved):
 
 def build_controller(resolved: Resolved) -> Application:
     specs = {name: pool_spec(rp) for name, rp in resolved.pools.items()}
-    return serve.deployment(ControllerService, name=CONTROLLER, num_replicas=1, max_ongoing_requests=10_000,
+    return serve.deployment(closed_on_shutdown(ControllerService), name=CONTROLLER, num_replicas=1,
+                            max_ongoing_requests=10_000,
                             ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
         specs, resolved.config.autoscale, resolved.config.model.max_model_len, GcsStore(STATE_NAMESPACE),
         profile_store(resolved))
@@ -225,7 +250,7 @@ def build_batches(resolved: Resolved) -> Application | None:
     settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://127.0.0.1:{c.router.port}",
                              resolved.pools[resolved.batch_pool].config.route_prefix.lstrip("/"),
                              c.batches.concurrency, c.batches.max_attempts, c.batches.max_lines)
-    return serve.deployment(BatchService, name=BATCHES, num_replicas=1, max_ongoing_requests=1000,
+    return serve.deployment(closed_on_shutdown(BatchService), name=BATCHES, num_replicas=1, max_ongoing_requests=1000,
                             ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
         settings, RayJobRunner(c.batches.dashboard_url), c.batches.poll_interval_s)
 
@@ -236,7 +261,7 @@ def build_router(resolved: Resolved, pools: dict[str, Application], controller: 
 
     c = resolved.config.router
     app = make_app()
-    ingress = serve.ingress(app)(route_class(app))
+    ingress = closed_on_shutdown(serve.ingress(app)(route_class(app)))
     renderer = llm_config(resolved, next(iter(resolved.pools.values())))  # the pools share model and template
     return serve.deployment(ingress, name=ROUTER, num_replicas=c.replicas, max_ongoing_requests=c.max_ongoing_requests,
                             ray_actor_options={"num_cpus": 0.5}).bind(

@@ -143,6 +143,11 @@ class PoolServer:
         if controller is not None:
             self._loops.start("report to the controller", self._report, settings.report_interval_s)
 
+    async def close(self) -> None:
+        """Stop reporting, then the engine (its processes go with it)."""
+        await self._loops.stop()
+        await self._engine.shutdown()
+
     # -- requests ------------------------------------------------------------------
 
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:

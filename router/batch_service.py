@@ -25,6 +25,9 @@ class BatchService:
         self._loops = Loops("batches")
         self._loops.start("poll", self._poll, poll_interval_s)
 
+    async def close(self) -> None:
+        await self._loops.stop()
+
     async def _poll(self) -> None:
         async with self._lock:
             await asyncio.to_thread(self._batches.poll)

@@ -233,3 +233,26 @@ def test_a_call_of_n_choices_needs_n_free_sequences():
     first, stats, verdict = asyncio.run(go())
     assert isinstance(first, Arrived) and stats.active == 1 and stats.queued == 1
     assert isinstance(verdict, Admitted)
+
+
+def test_serve_stopping_a_replica_stops_its_report_loop_and_its_engine():
+    """Serve awaits a replica's `__del__` when it stops it; the builder's class gives it one."""
+    from deployments.app import closed_on_shutdown
+
+    class Reporting(FakeEngine):
+        stopped = False
+
+        async def shutdown(self) -> None:
+            Reporting.stopped = True
+
+    async def go():
+        cls = closed_on_shutdown(PoolServer)
+        server = cls.__new__(cls)
+        controller = SimpleNamespace(report=SimpleNamespace(remote=lambda stats: asyncio.sleep(3600)))
+        await server.__init__(settings=settings(), controller=controller, engine=Reporting())
+        assert server._loops.running == ["report to the controller"]
+        await server.__del__()  # as Serve calls it
+        assert server.__del__() is None  # garbage collection's call: nothing more to do
+        return server._loops.running
+
+    assert asyncio.run(go()) == [] and Reporting.stopped
