@@ -14,7 +14,7 @@ from typing import Iterator
 
 import httpx
 
-from pools.control import DecisionJson, Describe, PinResult, PoolStatus
+from pools.control import DecisionJson, Describe, LendingResult, PinResult, PoolStatus, SloResult
 
 
 class AdminError(RuntimeError):
@@ -71,11 +71,13 @@ class AdminClient:
         finally:
             self.unpin(pool)
 
-    def set_slo(self, pool: str, ttft_p99_ms: float, tpot_p99_ms: float) -> None:
-        self._call("PUT", f"/admin/pools/{pool}/slo", json={"ttft_p99_ms": ttft_p99_ms, "tpot_p99_ms": tpot_p99_ms})
+    def set_slo(self, pool: str, ttft_p99_ms: float, tpot_p99_ms: float) -> SloResult:
+        return SloResult.model_validate(self._call("PUT", f"/admin/pools/{pool}/slo",
+                                                   json={"ttft_p99_ms": ttft_p99_ms, "tpot_p99_ms": tpot_p99_ms}))
 
-    def set_lending(self, pool: str, enabled: bool) -> None:
-        self._call("PUT", f"/admin/pools/{pool}/lending", json={"enabled": enabled})
+    def set_lending(self, pool: str, enabled: bool) -> LendingResult:
+        return LendingResult.model_validate(self._call("PUT", f"/admin/pools/{pool}/lending",
+                                                       json={"enabled": enabled}))
 
     def wait_applied(self, pool: str, epoch: int | None, wait_s: float) -> PoolStatus:
         deadline = time.monotonic() + wait_s

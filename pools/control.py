@@ -200,6 +200,21 @@ class Describe(Frozen):
     nice: NiceJson
 
 
+class SloResult(Frozen):
+    """An operator's new SLO for a pool, in force from the controller's next tick."""
+
+    pool: str
+    ttft_p99_ms: float
+    tpot_p99_ms: float
+
+
+class LendingResult(Frozen):
+    """Whether a pool now lends its idle capacity to borrowing pools."""
+
+    pool: str
+    lending: bool
+
+
 class PinResult(Frozen):
     """An operator's pin: applied at `epoch`, or refused with the reason."""
 

@@ -1,20 +1,24 @@
 """The operators' endpoints (admin key): pools' status, decisions, describe, pins, SLOs and
 lending. Request bodies are pydantic models (a 400 names the field); answers are the
-control plane's own typed models (`pools.control`), written as JSON.
+control plane's own typed models (`pools.control`), written as JSON. A controller (or pool)
+that cannot be reached is a 503 with Retry-After, not a Ray traceback.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pools.control import PinResult, SloJson
+from pools.control import LendingResult, PinResult, SloJson, SloResult
 from router.auth import Auth
 from router.body import BodyLimits, read_json
 from router.errors import ApiError
+
+log = logging.getLogger("poolserve.router")
 
 
 class _Body(BaseModel):
@@ -62,18 +66,18 @@ class Admin:
         return await self._run(request, lambda: self._controller.unpin.remote(self._known(pool)))
 
     async def lending(self, request: Request, pool: str) -> Response:
-        async def run() -> dict:
+        async def run() -> LendingResult:
             body = await self._body(request, LendingRequest)
             await self._controller.set_lending.remote(self._known(pool), body.enabled)
-            return {"pool": pool, "lending": body.enabled}
+            return LendingResult(pool=pool, lending=body.enabled)
         return await self._run(request, run)
 
     async def slo(self, request: Request, pool: str) -> Response:
-        async def run() -> dict:
+        async def run() -> SloResult:
             body = await self._body(request, SloRequest)
             slo = SloJson(ttft_p99_ms=body.ttft_p99_ms, tpot_p99_ms=body.tpot_p99_ms)
             await self._controller.set_slo.remote(self._known(pool), slo)
-            return {"pool": pool, **slo.model_dump()}
+            return SloResult(pool=pool, **slo.model_dump())
         return await self._run(request, run)
 
     # -- steps ------------------------------------------------------------------------
@@ -81,7 +85,14 @@ class Admin:
     async def _run(self, request: Request, action: Callable[[], Awaitable[Any]]) -> Response:
         try:
             self._auth.admin(request.headers)
-            result = await action()
+            try:
+                result = await action()
+            except ApiError:
+                raise
+            except Exception as e:  # the handle's call failed: the controller or pool is away
+                log.warning("admin %s %s: %r", request.method, request.url.path, e)
+                raise ApiError(503, "control_plane_unavailable", "the autoscale controller (or the pool) did not "
+                               f"answer ({type(e).__name__}); retry shortly", retry_after_s=5) from None
         except ApiError as e:
             return e.response()
         return JSONResponse(_json(result))

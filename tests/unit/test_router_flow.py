@@ -211,3 +211,31 @@ def test_the_quota_is_synced_by_one_loop():
 
     settles, seconds = asyncio.run(go())
     assert settles <= (1 + int(seconds / 0.2)) * len(TENANTS), (settles, seconds)
+
+
+def test_an_unreachable_controller_is_a_503_for_operators_and_answers_are_typed():
+    from pools.control import LendingResult, SloResult
+    from tests.unit.router_harness import Remote, sha
+
+    async def go():
+        router, _ = make_router(admin_key_sha256=sha("admin"))
+        admin = {"Authorization": "Bearer admin"}
+        calls = []
+        router.admin._controller.set_lending = Remote(lambda pool, on: calls.append((pool, on)))
+        router.admin._controller.set_slo = Remote(lambda pool, slo: calls.append((pool, slo.ttft_p99_ms)))
+
+        def away():
+            raise RuntimeError("ray::ServeReplica:poolserve:autoscale-controller died")
+        router.admin._controller.status = Remote(away)
+        async with client(router) as c:
+            down = await c.get("/admin/pools", headers=admin)
+            lending = await c.put("/admin/pools/p/lending", headers=admin, json={"enabled": False})
+            slo = await c.put("/admin/pools/p/slo", headers=admin, json={"ttft_p99_ms": 500, "tpot_p99_ms": 50})
+        return down, lending, slo, calls
+
+    down, lending, slo, calls = asyncio.run(go())
+    assert down.status_code == 503 and float(down.headers["retry-after"]) > 0, down.text
+    assert down.json()["error"]["code"] == "control_plane_unavailable" and "ray::" not in down.text
+    assert LendingResult.model_validate(lending.json()) == LendingResult(pool="p", lending=False)
+    assert SloResult.model_validate(slo.json()) == SloResult(pool="p", ttft_p99_ms=500, tpot_p99_ms=50)
+    assert calls == [("p", False), ("p", 500)]
