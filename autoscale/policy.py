@@ -29,10 +29,10 @@ The TTFT compared with the SLO is measured from admission to first token: time s
 in the gate's queue says "too little capacity", not "batch too large", and is the
 reason to step up, not down. And while a queue persists, a smaller batch cannot lower the
 TTFT a client sees: the engine's share shrinks a little, the queue's grows by what the
-lost throughput no longer serves. A benchmark once showed it: a TTFT breach from CPU
-contention stepped the online pool 16 -> 1 under a standing queue, and its TTFT P50 went
-to 110 s against 8 s held at 16. So an engine TTFT breach steps down only when nothing
-waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
+lost throughput no longer serves. A benchmark showed it (bench/notes.md): a TTFT breach
+from CPU contention stepped the online pool to the bottom of its range under a standing
+queue, and the TTFT its clients saw grew manyfold. So an engine TTFT breach steps down only
+when nothing waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _forget_breach(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, no
     """The breach behind the last step down is over once its P99 has been measured under the
     SLO for a whole latency window (`settle_s`). Too few samples to tell is not an end: at a
     low limit few requests finish, and forgetting then let a TPOT hovering around its SLO
-    ratchet the online pool 8 -> 4 -> 2 in a benchmark, each step a fresh "first" one."""
+    ratchet the online pool down step after step in a benchmark, each a fresh "first" one."""
     if snap.samples < cfg.min_samples:
         return state
     if cfg.breach(snap, state.down_code) is not None:

@@ -365,7 +365,7 @@ def _cpu_priority() -> str:
 
 def report(results: dict, floor: dict, wall_s: float) -> dict:
     r = ratios(results, floor)
-    plot(results, floor, REPO / "bench" / "results" / "mixed.png")
+    plot(results, floor, REPO / "docs" / "images" / "bench-mixed.png")
     return {
         "setup": {"online": f"Poisson {ONLINE_RATE} req/s, chat, streamed, Azure 2023 trace lengths scaled",
                   "offline": f"{OFFLINE_OUTSTANDING} whole requests outstanding, {OFFLINE_LENGTHS[0]} prompt / "

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from bench.common import REPO, RESULTS
@@ -241,8 +240,6 @@ def render() -> str:
 def main() -> None:
     IMAGES.mkdir(parents=True, exist_ok=True)
     o, a = _load("overhead"), _load("autoscale")
-    if (RESULTS / "mixed.png").exists():
-        shutil.copy(RESULTS / "mixed.png", IMAGES / "bench-mixed.png")
     if o:
         plot_overhead(o, IMAGES / "bench-overhead.png")
     if a:

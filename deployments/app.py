@@ -53,9 +53,9 @@ def fingerprint_base(resolved: Resolved, pool: PoolConfig) -> dict[str, Any]:
 def engine_env() -> dict[str, str]:
     """Environment for every engine process. vLLM 0.29 with torch 2.10 saves an AOT-compiled
     model but fails to load it back ("'function' object has no attribute 'finalize_loading'")
-    and compiles again at every start; its older compile cache loads. Measured on the 2-core
-    box: engine init 18.7 s with AOT, 10.9 s without on a warm cache. The deploying process's
-    own `VLLM_USE_AOT_COMPILE` wins."""
+    and compiles again at every start; its older compile cache loads, and an engine starts
+    faster without AOT (bench/notes.md). The deploying process's own `VLLM_USE_AOT_COMPILE`
+    wins."""
     return {"VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
 
 

@@ -9,8 +9,9 @@ no privilege; lowering it does, so a value below the current one is left alone.
 
 Only the engine processes (engine core and workers: the model's compute) are lowered. The
 replica itself, the pool's gate, queue and reports to the autoscaler, stays at the worker's
-priority: lowered with them, under a flood its reports went stale (more than 5 s apart)
-because the load generator, proxy and router of that very flood ran first.
+priority: lowered with them, under a flood its reports went stale (older than the
+controller's `stats_max_age_s`) because the load generator, proxy and router of that very
+flood ran first.
 
 Nice values belong to threads on Linux: every thread of every engine process is set, and
 threads and processes the engine starts later inherit their creator's value. Elsewhere than

@@ -5,8 +5,7 @@ capacity back at once when chat returns:
   * only when the home pool is saturated (work would wait there anyway);
   * only once the target has had no request of its own for `after_quiet_s`: chat at a few
     requests a second leaves most slots free, but borrowed requests in its batch slow
-    every decode step of it (the mixed benchmark measured online TPOT P50 36 ms with them
-    against 16 ms with the same offline load kept on its own pool);
+    every decode step of it (the mixed benchmark's figures are in bench/notes.md);
   * only while the target's own utilisation (its own traffic, borrowed work excluded)
     is below `while_below_utilisation`;
   * at most `max_share` of the target's capacity is ever lent;
