@@ -14,8 +14,8 @@ is [the lowest step, the lowest of those], and the verdict names the rule that s
                while output throughput gains less than `min_gain_pct`, or more than
                `max_growth_per_gain` times its gain. A step that still adds a tenth more
                throughput while multiplying the tail is past the knee, however loose the SLO.
-               A step whose next step still gains more than `resumed_gain_pct` is not a knee:
-               a saturated curve does not climb again, a dip in one step's measurement does.
+               A step is not the knee when the move from the step before it to the step after
+               it is not past the knee: that was a dip in one step's measurement.
                Latency is P99 TTFT, or P99 end-to-end for an open-loop ladder of whole
                responses. A closed loop of whole responses has no knee rule: its end-to-end
                latency is its concurrency over its throughput (Little's law), so its growth
@@ -57,7 +57,7 @@ def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
     if row.tpot_ms.p99 > slo.tpot_p99_ms:
         out.append(f"P99 TPOT {row.tpot_ms.p99:.1f} ms > SLO {slo.tpot_p99_ms:.1f} ms")
     if row.ttft_ms.p99 <= 0 < row.e2e_ms.p99 and row.req_per_s > 0:  # whole responses: no first token to time
-        tokens = row.output_tok_per_s / row.req_per_s
+        tokens = row.output_tokens_mean or row.output_tok_per_s / row.req_per_s
         bound = slo.ttft_p99_ms + max(tokens - 1, 0) * slo.tpot_p99_ms
         if row.e2e_ms.p99 > bound:
             out.append(f"P99 latency {row.e2e_ms.p99:.0f} ms > {bound:.0f} ms, what the SLO allows a streamed "
@@ -95,19 +95,32 @@ def _first_unsteady(rows: Sequence[LadderRow]) -> tuple[int, str] | None:
                  if not r.steady), None)
 
 
+def _past_knee(rows: Sequence[LadderRow], latency: list[float], a: int, b: int, rule: KneeRule
+               ) -> tuple[float, float] | None:
+    """(throughput gain %, P99 growth %) from step a to step b, if that move is past the knee."""
+    gain = _pct(rows[b].output_tok_per_s, rows[a].output_tok_per_s)
+    growth = _pct(latency[b], latency[a])
+    if growth < rule.max_p99_growth_pct or latency[b] - latency[a] < rule.min_p99_delta_ms:
+        return None
+    return (gain, growth) if gain < rule.min_gain_pct or growth > rule.max_growth_per_gain * gain else None
+
+
 def _knee(rows: Sequence[LadderRow], rule: KneeRule) -> tuple[int, str] | None:
+    """The first step past the knee. A step is a dip in the measurement, not the knee, when the
+    move from the step before it to the step after it (one that answered, steadily) is not past
+    the knee: a saturated curve does not climb back to where the step before would have led."""
     latency, name = latency_of(rows)
     for i in range(1, len(rows)):
-        gain = _pct(rows[i].output_tok_per_s, rows[i - 1].output_tok_per_s)
-        growth = _pct(latency[i], latency[i - 1])
-        if growth < rule.max_p99_growth_pct or latency[i] - latency[i - 1] < rule.min_p99_delta_ms:
+        if (past := _past_knee(rows, latency, i - 1, i, rule)) is None:
             continue
-        if gain < rule.min_gain_pct or growth > rule.max_growth_per_gain * gain:
-            if i + 1 < len(rows) and _pct(rows[i + 1].output_tok_per_s, rows[i].output_tok_per_s) > rule.resumed_gain_pct:
-                continue  # the curve climbs again after it: a dip in the measurement, not saturation
-            return i, (f"knee at {rows[i].max_active_seqs}: from {rows[i - 1].max_active_seqs} to "
-                       f"{rows[i].max_active_seqs} sequences output throughput changed {gain:+.0f}% while {name} "
-                       f"grew {growth:+.0f}%")
+        after = rows[i + 1] if i + 1 < len(rows) else None
+        if after is not None and after.requests and after.steady and _past_knee(rows, latency, i - 1, i + 1,
+                                                                                 rule) is None:
+            continue
+        gain, growth = past
+        return i, (f"knee at {rows[i].max_active_seqs}: from {rows[i - 1].max_active_seqs} to "
+                   f"{rows[i].max_active_seqs} sequences output throughput changed {gain:+.0f}% while {name} "
+                   f"grew {growth:+.0f}%")
     return None
 
 

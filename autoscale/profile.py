@@ -56,6 +56,7 @@ class LadderRow(Frozen):
     errors: int
     rejections: int
     offered_req_per_s: float | None = None  # open-loop ladders: the rate sent (achieved is req_per_s)
+    output_tokens_mean: float | None = None  # per completed response (else output tok/s over req/s)
 
 
 class KneeRule(Frozen):
@@ -64,14 +65,14 @@ class KneeRule(Frozen):
     curve's shape whatever the SLO: the first step whose P99 TTFT grows by at least
     `max_p99_growth_pct` (and by at least `min_p99_delta_ms`: smaller moves are noise) while its
     output throughput gains less than `min_gain_pct`, or more than `max_growth_per_gain` times
-    its gain (unless the step after it gains more than `resumed_gain_pct` again); on an open-loop ladder also the first step that achieves less than
+    its gain (unless the move from the step before it to the step after it is not: a dip, not a
+    knee); on an open-loop ladder also the first step that achieves less than
     `saturation_ratio` of the load offered. Plateau: nothing above the smallest step within
     `plateau_fraction` of the best throughput among the steps the other rules leave."""
 
     min_gain_pct: float = 10.0
     max_p99_growth_pct: float = 40.0
     max_growth_per_gain: float = 5.0
-    resumed_gain_pct: float = 20.0  # a knee's next step gaining more than this: the curve had not saturated
     min_p99_delta_ms: float = Field(20.0, ge=0)
     saturation_ratio: float = Field(0.95, gt=0, le=1)
     plateau_fraction: float = Field(0.95, gt=0, le=1)

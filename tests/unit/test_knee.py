@@ -55,6 +55,12 @@ CASES = [
     ("a dip in one step's throughput is not a knee when the curve climbs again",  # a chat sweep on a 2-core box
      ladder((1, 203, 42), (2, 300, 90), (4, 562, 108), (8, 584, 165), (16, 821, 289), (32, 948, 684)),
      32, (1, 16), True, "knee", "knee at 32"),
+    ("a knee whose next step gains but multiplies the tail again is no dip",  # 2 -> 8: +40% for 33x
+     ladder((1, 100, 50), (2, 200, 60), (4, 220, 400), (8, 280, 900)),
+     4, (1, 2), True, "knee", "knee at 4"),
+    ("a knee followed by a step that climbs, with a tail multiplied again, is still the knee",  # 16 -> 64 past it too
+     ladder((8, 1000, 50), (16, 1800, 88), (32, 2000, 900), (64, 2500, 1000)),
+     32, (8, 16), True, "knee", "knee at 32"),
     ("tail moves below the noise floor",  # +60% of a 20 ms tail is 12 ms: noise
      ladder((1, 300, 20), (2, 310, 32), (4, 600, 40)),
      None, (1, 4), True, "ladder", "no knee within the ladder"),
