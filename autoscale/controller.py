@@ -34,7 +34,7 @@ from typing import Callable
 from autoscale.config import AutoscaleConfig
 from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
 from autoscale.profile import Fingerprint, Profile
-from autoscale.ranges import PoolSpec, allowed_range, judge_sweep, measured_range, settle
+from autoscale.ranges import RESWEEP_AFTER_S, PoolSpec, allowed_range, judge_sweep, measured_range, settle
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
@@ -67,6 +67,7 @@ class _PoolState:
     fingerprint: Fingerprint | None = None
     last_logged: str = ""
     discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
+    sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
 
 
 class Controller:
@@ -195,8 +196,7 @@ class Controller:
         return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
                           pinned=self._pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
-                          calibration=p.calibration, lending=p.operator.lending,
-                          snapshot=snap,
+                          calibration=p.calibration, lending=p.operator.lending, snapshot=snap,
                           replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
 
     def replica_stats(self, name: str) -> list[ReplicaStats]:
@@ -236,20 +236,21 @@ class Controller:
         return p.operator.epoch
 
     def needs_sweep(self) -> list[str]:
-        return [name for name, p in self._pools.items() if p.calibration.state == "calibrating"]
+        return [n for n, p in self._pools.items()
+                if p.calibration.state == "calibrating" and self._clock() >= p.sweep_after]
 
     def sweep_progress(self, name: str, detail: str) -> None:
-        p = self._pools[name]
-        p.calibration = p.calibration.model_copy(update={"detail": detail})
+        self._pools[name].calibration = self._pools[name].calibration.model_copy(update={"detail": detail})
 
     def adopt(self, name: str, profile: Profile) -> None:
         """A sweep of this set-up finished: the pool moves inside the range it measured, or, if
-        the sweep is not evidence, stays at its fallback range (`autoscale.ranges.judge_sweep`)."""
+        the sweep is not evidence, keeps its range and sweeps again later (`ranges.judge_sweep`)."""
         p = self._pools[name]
         calibration, kept = judge_sweep(profile, self._profiles.get(name, profile.fingerprint), p.discarded_sweeps,
-                                        p.calibration.source)
+                                        p.calibration.source, p.measured)
         if kept is None:
             p.discarded_sweeps += 1
+            p.sweep_after = self._clock() + RESWEEP_AFTER_S
         else:
             self._profiles.put(kept)
         self._set_calibration(p, calibration, kept)

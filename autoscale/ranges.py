@@ -12,6 +12,7 @@ from pools.control import CalibrationJson
 from pools.types import SafeRange
 
 SWEEPS_PER_START = 3  # sweeps that are not evidence before a pool gives up until its next start
+RESWEEP_AFTER_S = 60.0  # after a sweep that was not evidence: a busy host may be busy a while longer
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,22 @@ def profiled(profile: Profile, source: str) -> CalibrationJson:
         f"range {list(profile.range)}, set by the {profile.decided_by or 'knee'} rule{unsteady}{again}"))
 
 
-def judge_sweep(profile: Profile, before: Profile | None, discarded: int, source: str
+def judge_sweep(profile: Profile, before: Profile | None, discarded: int, source: str, running: SafeRange | None
                 ) -> tuple[CalibrationJson, Profile | None]:
     """What a finished background sweep does: the pool's calibration, and the profile to keep and
     run on (None: discarded). Unsteady steps make the profile provisional, unless the sweep before
-    it was unsteady too. A sweep that is not evidence is discarded: the pool stays at its fallback
-    range and sweeps again, `SWEEPS_PER_START` times at most (`discarded` already were)."""
+    it was unsteady too. A sweep that is not evidence is discarded: the pool keeps the range it
+    runs in (its fallback, or `running`: a provisional profile's) and sweeps again after
+    `RESWEEP_AFTER_S`, `SWEEPS_PER_START` times at most (`discarded` already were)."""
     if (why := not_evidence(profile)) is not None:
+        keeps = ("the fallback range" if running is None
+                 else f"the range {[running.low, running.high]} of its provisional profile")
         if discarded + 1 >= SWEEPS_PER_START:
             return CalibrationJson(state="failed", source=source, detail=(
-                f"{discarded + 1} sweeps were not evidence, the last because {why}: the fallback range until the "
-                "next start measures again")), None
+                f"{discarded + 1} sweeps were not evidence, the last because {why}: {keeps} until the next start "
+                "measures again")), None
         return CalibrationJson(state="calibrating", source=source, detail=(
-            f"a sweep was discarded ({why}): the fallback range while it measures again")), None
+            f"a sweep was discarded ({why}): {keeps}; it measures again in {RESWEEP_AFTER_S:g} s")), None
     profile = profile.model_copy(update={"provisional": bool(profile.unsteady)
                                          and not (before is not None and before.provisional)})
     return profiled(profile, f"a sweep of this set-up ({profile.created_at})"), profile

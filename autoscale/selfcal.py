@@ -230,4 +230,5 @@ def _row(seqs: int, results: list[Result], samples: list[_Sample], window: tuple
         e2e_ms=_pcts([r.e2e for r in done]),
         kv_usage_max=max((s.kv for s in inside), default=0.0),
         preemptions=(inside[-1].preemptions - inside[0].preemptions) if len(inside) > 1 else 0,
-        errors=sum(1 for r in results if a <= r.start < b and r.status not in (0, 200)), rejections=0)
+        errors=sum(1 for r in results if a <= r.start < b and r.status not in (0, 200)), rejections=0,
+        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None)

@@ -13,7 +13,7 @@ from autoscale.config import AutoscaleConfig
 from autoscale.controller import Controller
 from autoscale.profile import Fingerprint, KneeRule, SLOSpec, TrafficSpec, LengthStats
 from autoscale.calibrate import build_profile
-from autoscale.ranges import PoolSpec
+from autoscale.ranges import RESWEEP_AFTER_S, PoolSpec
 from autoscale.selfcal import Calibrator
 from autoscale.store import ProfileStore
 from deployments.admin_client import AdminClient
@@ -234,14 +234,17 @@ def test_a_sweep_that_is_not_evidence_is_neither_kept_nor_adopted(unsteady):
     rows = [r.model_copy(update={"steady": i not in unsteady}) for i, r in enumerate(batching()[:4])]
     profile = build_profile("p", rows, Fingerprint(**FP), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100), TRAFFIC,
                             KneeRule(), (), "2026-12-02")
-    store = ProfileStore(MemoryStore())
-    c = controller(spec(sweep=(1, 2, 4, 8)), store)
+    store, now = ProfileStore(MemoryStore()), [0.0]
+    c = Controller({"p": spec(sweep=(1, 2, 4, 8))}, AutoscaleConfig(), lambda: now[0], profiles=store)
     report(c, FP)
     for attempt in (1, 2):
         c.adopt("p", profile)
         assert store.get("p", Fingerprint(**FP)) is None, f"sweep {attempt} was kept"
         assert c.calibration("p").state == "calibrating" and "discarded" in c.calibration("p").detail
+        assert "the fallback range" in c.calibration("p").detail
         assert (c.allowed("p").low, c.allowed("p").high) == (FALLBACK.low, FALLBACK.high)
+        assert c.needs_sweep() == []  # a busy host may be busy a while longer
+        now[0] += RESWEEP_AFTER_S
         assert c.needs_sweep() == ["p"]
     c.adopt("p", profile)
     assert c.calibration("p").state == "failed" and c.needs_sweep() == []
