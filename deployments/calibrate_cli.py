@@ -29,18 +29,16 @@ from infra.stats import counter_rate
 from infra.traffic import synthetic_lengths, trace_lengths
 
 
-REPORT_LAG_S = 3.0  # how late the engines' counts reach this process: a report interval, the admin call
-
-
 class EngineSampler:
     """Samples the pool's replicas every `every_s`: their engines' generated tokens (so a step's
     throughput is the engines' own count, not lumps of completed responses), peak KV usage and
     preemptions. Each count is placed at the time its replica reported it, not when it was read
-    (reports arrive every report interval and the admin API answers late under load). A failed
-    sample is logged and skipped: the next one fills the gap."""
+    (reports arrive every report interval and the admin API answers late under load); a count
+    reaches this process at most `lag_s` after it was made. A failed sample is logged and
+    skipped: the next one fills the gap."""
 
-    def __init__(self, admin: AdminClient, pool: str, every_s: float = 0.5) -> None:
-        self._admin, self._pool, self._every = admin, pool, every_s
+    def __init__(self, admin: AdminClient, pool: str, lag_s: float, every_s: float = 0.5) -> None:
+        self._admin, self._pool, self.lag_s, self._every = admin, pool, lag_s, every_s
         self.kv_max, self._stop = 0.0, threading.Event()
         self.tokens: dict[str, list[tuple[float, int]]] = {}  # replica -> (time.monotonic(), generated tokens)
         self._pre0 = self._preemptions()
@@ -71,10 +69,17 @@ class EngineSampler:
             self._stop.wait(self._every)
 
     def rate(self, a: float, b: float) -> float | None:
-        """The engines' output tokens per second over [a, b]; None where a replica's reports do
-        not cover it."""
-        rates = [counter_rate(list(series), a, b) for series in list(self.tokens.values())]
-        return None if not rates or None in rates else sum(rates)
+        """The engines' output tokens per second over [a, b], summed over the replicas whose
+        reports cover it; None while a live replica's reports have not reached `b` yet. A
+        replica silent for longer than the lag (gone, or replaced) no longer counts."""
+        now, total, covered = time.monotonic(), 0.0, False
+        for series in list(self.tokens.values()):
+            points = list(series)
+            if (r := counter_rate(points, a, b)) is not None:
+                total, covered = total + r, True
+            elif points and points[-1][0] < b and now - points[-1][0] <= 2 * self.lag_s:
+                return None  # its next report will cover the window
+        return total if covered else None
 
     def __enter__(self):
         self._thread.start()
@@ -84,20 +89,30 @@ class EngineSampler:
         self._stop.wait(self._every * 2)  # a last sample or two past the window's end
         self._stop.set()
         self._thread.join()
-        self.preemptions = self._preemptions() - self._pre0
+        try:
+            self.preemptions = self._preemptions() - self._pre0
+        except Exception as e:  # noqa: BLE001 - the step's figures stand without it
+            print(f"  (preemptions unknown: {type(e).__name__}: {e})", file=sys.stderr)
+            self.preemptions = 0
 
 
 def _pct(d: dict) -> Percentiles:
     return Percentiles(p50=d["p50"] or 0.0, p95=d["p95"] or 0.0, p99=d["p99"] or 0.0)
 
 
-def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec, seqs: int) -> LadderRow:
-    with EngineSampler(admin, args.pool) as sampler:
+def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec, seqs: int,
+                 report_interval_s: float) -> LadderRow:
+    lag_s = 2 * report_interval_s + 2.0  # a report's interval, the admin call under load, a sample's
+    with EngineSampler(admin, args.pool, lag_s) as sampler:
         run = asyncio.run(closed_loop_until_steady(target, seqs, lengths, args.warmup, args.check, args.min_measure,
                                                    args.cap, seed=args.seed, output_rate=sampler.rate,
-                                                   rate_lag_s=REPORT_LAG_S))
+                                                   rate_lag_s=lag_s))
     s = run.summary(slo.ttft_p99_ms / 1e3, slo.tpot_p99_ms / 1e3)
     engine_rate = sampler.rate(run.measure_from, run.measure_from + run.measure_s)
+    if engine_rate is None:
+        print(f"  (no engine token count covers the step at {seqs}: its throughput is counted from completed "
+              "responses)", file=sys.stderr)
+    done = run.completed_in_window()
     errors = round(s.error_rate * s.requests)
     return LadderRow(
         max_active_seqs=seqs, requests=s.requests, duration_s=round(s.duration_s, 2), steady=run.steady,
@@ -106,6 +121,7 @@ def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec
         goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
         e2e_ms=_pct(s.e2e_ms), kv_usage_max=sampler.kv_max, preemptions=sampler.preemptions, errors=errors,
         rejections=round(s.rejection_rate * s.requests),
+        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None,
     )
 
 
@@ -171,7 +187,8 @@ def _cmd_calibrate(args) -> int:
           f"ladder {ladder}, lengths {lengths.source}", flush=True)
     try:
         rows = sweep(ladder, lambda seqs: admin.pin(args.pool, seqs, calibrating=True),
-                     lambda seqs: measure_step(args, admin, target, lengths, slo, seqs),
+                     lambda seqs: measure_step(args, admin, target, lengths, slo, seqs,
+                                               cfg.autoscale.report_interval_s),
                      lambda line: print(line, flush=True))
     finally:
         admin.unpin(args.pool)

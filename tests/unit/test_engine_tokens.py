@@ -25,3 +25,20 @@ def test_the_benchmarks_counter_reads_the_same_way():
     c = EngineTokens(stack=None)
     c.samples = list(SAMPLES)
     assert c.at(1.5) == 200 and c.rate(0.5, 1.5) == (300 - 50) / 1.5 and c.rate(1.0, 0) is None
+
+
+def test_the_calibrate_clis_rate_waits_for_live_replicas_and_drops_gone_ones():
+    import time
+    from types import SimpleNamespace
+
+    from deployments.calibrate_cli import EngineSampler
+
+    admin = SimpleNamespace(pool=lambda name: SimpleNamespace(replicas=[]))
+    sampler = EngineSampler(admin, "p", lag_s=2.0)
+    now = time.monotonic()
+    sampler.tokens = {"a": [(now - 10, 0), (now - 5, 500), (now - 0.5, 950)]}
+    assert sampler.rate(now - 10, now - 5) == 100
+    assert sampler.rate(now - 5, now) is None  # replica a's next report will cover it
+    sampler.tokens["b"] = [(now - 10, 0), (now - 6, 400)]  # replaced 6 s ago: silent for longer than the lag
+    assert sampler.rate(now - 10, now - 6) == 200
+    assert sampler.rate(now - 5, now - 1) == 100  # a alone
