@@ -165,9 +165,11 @@ def closed_on_shutdown(cls: type) -> type:
         base = getattr(super(closed, self), "__del__", None)
 
         async def shut_down() -> None:
-            await self.close()
-            if base is not None and inspect.isawaitable(result := base()):
-                await result
+            try:
+                await self.close()
+            finally:
+                if base is not None and inspect.isawaitable(result := base()):
+                    await result
         return shut_down()
 
     closed = type(cls.__name__, (cls,), {"__del__": __del__, "__qualname__": cls.__qualname__,

@@ -168,8 +168,13 @@ class RayLLMEngine:
         await self._engine.check_health()
 
     async def shutdown(self) -> None:
+        """Ray LLM's own shutdown only closes a token channel; vLLM's engine processes stop with
+        the AsyncLLM's (they would otherwise outlive a replica stopped gracefully until the
+        reaper saw it go)."""
         if self._engine is not None:
             await self._engine.shutdown()
+            if (client := getattr(self._engine, "_engine_client", None)) is not None:
+                client.shutdown()
 
 
 def needs_node_download(llm_config: Any) -> bool:
