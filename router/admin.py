@@ -87,9 +87,7 @@ class Admin:
             self._auth.admin(request.headers)
             try:
                 result = await action()
-            except ApiError:
-                raise
-            except Exception as e:  # the handle's call failed: the controller or pool is away
+            except _unreachable() as e:  # the controller (or pool) is away: a restart, a lost node
                 log.warning("admin %s %s: %r", request.method, request.url.path, e)
                 raise ApiError(503, "control_plane_unavailable", "the autoscale controller (or the pool) did not "
                                f"answer ({type(e).__name__}); retry shortly", retry_after_s=5) from None
@@ -110,6 +108,16 @@ class Admin:
         if pool not in self._pools:
             raise ApiError(404, "pool_not_found", f"unknown pool {pool!r}; pools are {', '.join(self._pools)}")
         return pool
+
+
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """The errors of a handle call whose replica is not there to answer (anything else a handle
+    raises is a bug, and stays a 500)."""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return (RayActorError, ActorUnavailableError, GetTimeoutError, DeploymentUnavailableError,
+            ReplicaUnavailableError, TimeoutError)
 
 
 def _json(x: Any) -> Any:

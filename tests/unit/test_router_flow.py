@@ -225,7 +225,9 @@ def test_an_unreachable_controller_is_a_503_for_operators_and_answers_are_typed(
         router.admin._controller.set_slo = Remote(lambda pool, slo: calls.append((pool, slo.ttft_p99_ms)))
 
         def away():
-            raise RuntimeError("ray::ServeReplica:poolserve:autoscale-controller died")
+            from ray.exceptions import ActorUnavailableError
+
+            raise ActorUnavailableError("ray::ServeReplica:poolserve:autoscale-controller is restarting", None)
         router.admin._controller.status = Remote(away)
         async with client(router) as c:
             down = await c.get("/admin/pools", headers=admin)
