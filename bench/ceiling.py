@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import procs
+from bench import procs, verdicts
 from bench.common import KEYS, REPO, RESULTS, ray_cluster, write_result
 from bench.setups import (
     CEILING_SEQS,
@@ -67,6 +67,7 @@ ONLINE_LENGTHS = (40, 32)  # prompt, output tokens
 OFFLINE_OUTSTANDING = 640
 OFFLINE_LENGTHS = (200, 128)
 RAMP_S, FLOOD_S, DRAIN_S = 8, 75, 15  # 300 online requests per round
+ONLINE_TIMEOUT_S = 120
 
 CEILING_LENGTHS = (200, 100)
 CEILING_PROMPTS, CEILING_CONCURRENCY = 640, 64
@@ -104,13 +105,7 @@ class PoolSampler:
                 for name, p in pools.items()}})
 
     def busy(self, pool: str) -> dict:
-        """While requests waited at the pool's gate: the share of samples in which its engine ran
-        anything, and its mean occupancy (sequences running over the limit)."""
-        queued = [r for s in self.samples for r in s.get(pool, []) if r["queued"] > 0]
-        if not queued:
-            return {"samples": 0}
-        return {"samples": len(queued), "busy": sum(r["running"] > 0 for r in queued) / len(queued),
-                "occupancy": sum(min(1.0, r["running"] / r["limit"]) for r in queued) / len(queued)}
+        return verdicts.busy(self.samples, pool)
 
 
 def _loadgen(args: list[str]) -> subprocess.Popen:
@@ -138,7 +133,7 @@ def flood_round(t: Target, raw: Path, stack=None) -> dict:
     online = _loadgen(["--url", t.online_url, "--key", t.online_key, "--model", t.online_model,
                        "--rate", str(ONLINE_RATE), "--prompt", str(ONLINE_LENGTHS[0]),
                        "--output", str(ONLINE_LENGTHS[1]), "--warmup", "0", "--duration", str(FLOOD_S),
-                       "--drain", str(DRAIN_S), "--timeout", "120", "--raw", f"{raw}-online.jsonl.gz"])
+                       "--drain", str(DRAIN_S), "--timeout", str(ONLINE_TIMEOUT_S), "--raw", f"{raw}-online.jsonl.gz"])
     named = {online.pid: "online load generator", offline.pid: "offline load generator"}
     sampler = PoolSampler(stack) if stack else None
     before, t0 = procs.snapshot(named), time.monotonic()
@@ -284,7 +279,8 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
     raw = RESULTS / "raw" / run_id
     raw.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    out: dict = {"run": run_id, "seed": seed, "flood": [], "ceiling": [], "c1": []}
+    out: dict = {"run": run_id, "seed": seed, "online_timeout_s": ONLINE_TIMEOUT_S,
+                 "flood": [], "ceiling": [], "c1": []}
     started = time.monotonic()
 
     def step(what: str) -> None:

@@ -224,7 +224,7 @@ def render() -> str:
            "not comparable on this shared 2-core machine.", ""]
     o, a, m, c = _load("overhead"), _load("autoscale"), _load("mixed"), _load("ceiling")
     if c:
-        out += ceiling_section(c, _machine(c))
+        out += ceiling_section(c, _machine(c), RESULTS / "raw" / c["run"])
     if m:
         out += mixed_section(m)
     if o:

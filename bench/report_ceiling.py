@@ -4,7 +4,10 @@ ratios (every poolserve round against every baseline round)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from statistics import mean
+
+from bench import verdicts
 
 
 def _f(x, digits: int = 0) -> str:
@@ -99,11 +102,23 @@ def _ceiling(d: dict) -> list[str]:
             f"({d.get('ceiling_order')}):", "", *lines, ""]
 
 
-def ceiling_section(d: dict, machine: str) -> list[str]:
+def _targets(d: dict, raw: Path) -> list[str]:
+    found = verdicts.findings(d, raw)
+    if not found:
+        return []
+    return ["**Targets**, each judged from the raw data (`python -m bench.verdicts`): the figure with its 95% "
+            "bootstrap interval over runs and the requests in them; met only when the whole interval meets the "
+            f"bound, missed when none of it does, and inconclusive with fewer than {verdicts.MIN_RUNS} runs a side.",
+            "", "| target | bound | figure [95% interval] | runs | verdict |", "|---|---:|---:|---:|---|",
+            *(f.row() for f in found), ""]
+
+
+def ceiling_section(d: dict, machine: str, raw: Path | None = None) -> list[str]:
+    """The section; with `raw` (the run's raw data), its targets' verdicts too."""
     what = ("poolserve against a stock two-pool `ray.serve.llm` deployment given the same cores, engine limits "
             "and nice, under a batch flood, and every serving path against the bare engine at the ceiling."
             if d["flood"] else
             "Every serving path against the bare engine at the ceiling (this run had no flood rounds).")
     return ["## Where the time and the CPU go (`bench/ceiling.py`)", "",
             f"{what} Raw per-request data: `bench/results/raw/{d['run']}/`. Whole run {d['wall_s']:.0f} s. {machine}",
-            "", *_flood(d), *_ceiling(d)]
+            "", *(_targets(d, raw) if raw else []), *_flood(d), *_ceiling(d)]

@@ -105,6 +105,14 @@ def _pcts(xs: list[float]) -> dict:
             "n": len(xs)}
 
 
+def ttfts_with_timeouts(results: list[Result], timeout_s: float | None = None) -> list[float]:
+    """Every answered request's TTFT (s), and for one that timed out before its first token its
+    wait (the timeout, or the time until it was cut off): a lower bound, so that a tail of
+    timeouts is not hidden. One cut off after its first token counts its real TTFT."""
+    return [r.ttft for r in results if r.status == 200 and r.ttft is not None] + [
+        r.e2e or timeout_s for r in results if r.error == "timeout" and r.ttft is None and (r.e2e or timeout_s)]
+
+
 def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None = None,
               tpot_slo_s: float | None = None, loop_lag: dict | None = None,
               completed: list[Result] | None = None, timeout_s: float | None = None) -> Summary:
@@ -132,11 +140,7 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         timeouts=sum(1 for r in results if r.error == "timeout"),
         statuses={str(k): sum(1 for r in results if r.status == k) for k in sorted({r.status for r in results})},
         rejected_without_retry_after=sum(1 for r in results if r.status == 429 and not r.retry_after),
-        # a request that timed out before its first token had a TTFT of at least its wait (the
-        # timeout, or the time until it was cut off): counted at that lower bound, so a tail
-        # of timeouts is not hidden; one cut off after its first token counts its real TTFT
-        ttft_ms_with_timeouts=_pcts([r.ttft for r in results if r.status == 200 and r.ttft is not None] + [
-            r.e2e or timeout_s for r in results if r.error == "timeout" and r.ttft is None and (r.e2e or timeout_s)]),
+        ttft_ms_with_timeouts=_pcts(ttfts_with_timeouts(results, timeout_s)),
         loop_lag_ms=loop_lag or {},
         server_timing_ms={step: _pcts([r.server_timing[step] / 1e3 for r in ok if step in r.server_timing])
                           for step in dict.fromkeys(k for r in ok for k in r.server_timing)},

@@ -6,7 +6,7 @@ import importlib
 import json
 import re
 
-from bench import report
+from bench import report, verdicts
 from bench.mixed import targets
 
 RESULTS = report.RESULTS
@@ -41,6 +41,17 @@ def test_benchmarks_doc_is_rendered_from_the_committed_results():
     assert doc == report.render(), "run `python -m bench.report`"
     for target, met in _load("mixed")["targets_met"].items():  # every target says plainly how it went
         assert f"| {target.replace('_', ' ')} | {report._yes(met)} |" in doc
+
+
+def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
+    d = _load("ceiling")
+    raw = RESULTS / "raw" / d["run"]
+    assert (raw / "partial.json").exists(), "a run's record stays beside its raw data"
+    found = verdicts.findings(d, raw)
+    assert found, "the committed run holds at least one target"
+    doc = report.DOC.read_text()
+    for f in found:
+        assert f.row() in doc, f.target.name
 
 
 def test_the_plots_the_doc_shows_are_committed():

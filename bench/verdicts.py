@@ -1,0 +1,139 @@
+"""The targets `bench/ceiling.py` measures, each judged from a run's raw data with a 95%
+bootstrap interval: met when the whole interval meets it, missed when none of it does,
+inconclusive otherwise (and whenever a side has fewer than MIN_RUNS runs, since one run shows
+nothing of the host's drift between runs).
+
+    python -m bench.verdicts bench/results/raw/<run>
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from bench import intervals
+from bench.intervals import Interval, Verdict
+from infra.loadgen import read_raw
+from infra.results import ttfts_with_timeouts
+
+MIN_RUNS = 2
+OURS, STOCK = "poolserve", "stock-two-pools"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    bound: float
+    better: Literal["lower", "higher"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    target: Target
+    verdict: Verdict
+    interval: Interval | None = None
+    runs: tuple[int, ...] = ()  # runs on each side
+    why: str = ""
+
+    def row(self) -> str:
+        """The finding as a row of docs/benchmarks.md's target table."""
+        sign = "≤" if self.target.better == "lower" else "≥"
+        figure = str(self.interval) if self.interval else self.why
+        runs = " / ".join(map(str, self.runs)) or "-"
+        note = f" ({self.why})" if self.why and self.interval else ""
+        return f"| {self.target.name} | {sign} {self.target.bound:g} | {figure} | {runs} | **{self.verdict}**{note} |"
+
+
+def busy(samples: list[dict], pool: str) -> dict:
+    """From the pool samples of one round: while requests waited at the pool's gate, the share
+    of samples in which its engine ran anything, and its mean occupancy (sequences running over
+    the limit)."""
+    queued = [r for s in samples for r in s.get(pool, []) if r["queued"] > 0]
+    if not queued:
+        return {"samples": 0}
+    return {"samples": len(queued), "busy": sum(r["running"] > 0 for r in queued) / len(queued),
+            "occupancy": sum(min(1.0, r["running"] / r["limit"]) for r in queued) / len(queued)}
+
+
+def _read(path: Path):
+    gz = path.with_name(path.name + ".gz")
+    if gz.exists():
+        return json.loads(gzip.decompress(gz.read_bytes()))
+    return json.loads(path.read_text())
+
+
+def _judge(target: Target, ours: list[list[float]], theirs: list[list[float]] | None, stat) -> Finding:
+    runs = (len(ours),) if theirs is None else (len(ours), len(theirs))
+    sides = [ours] if theirs is None else [ours, theirs]
+    if any(not side or not all(side) for side in sides):
+        return Finding(target, "inconclusive", runs=runs, why="no data")
+    iv = intervals.interval(ours, stat) if theirs is None else intervals.ratio(ours, theirs, stat)
+    if min(runs) < MIN_RUNS:
+        return Finding(target, "inconclusive", iv, runs, f"fewer than {MIN_RUNS} runs a side")
+    return Finding(target, intervals.verdict(iv, target.bound, target.better), iv, runs)
+
+
+def _flood(d: dict, raw: Path) -> list[Finding]:
+    rounds = {s: [r for r in d["flood"] if r["setup"] == s] for s in (OURS, STOCK)}
+    timeout = d.get("online_timeout_s")
+    online = {s: [read_raw(raw / f"flood-{r['round']:02d}-{s}-online.jsonl.gz") for r in rs]
+              for s, rs in rounds.items()}
+    ttft = {s: [ttfts_with_timeouts(rs, timeout) for rs in runs] for s, runs in online.items()}
+    tpot = {s: [[r.tpot for r in rs if r.tpot is not None] for rs in runs] for s, runs in online.items()}
+    tok = {s: [[r["offline_tok_s"]] for r in rs] for s, rs in rounds.items()}
+    out = [
+        _judge(Target("flood: online P99 TTFT, poolserve / stock two pools", 1.0, "lower"),
+               ttft[OURS], ttft[STOCK], intervals.p99),
+        _judge(Target("flood: online P99 TPOT, poolserve / stock two pools", 1.0, "lower"),
+               tpot[OURS], tpot[STOCK], intervals.p99),
+        _judge(Target("flood: offline tok/s, poolserve / stock two pools", 0.95, "higher"),
+               tok[OURS], tok[STOCK], intervals.mean),
+    ]
+    sent = [r["online_sent_in_window"] / r["online_scheduled"] for rs in rounds.values() for r in rs
+            if r["online_scheduled"]]
+    schedule = Target("flood: share of the online schedule sent in its window, worst round of both", 1.0, "higher")
+    out.append(Finding(schedule, "met" if sent and min(sent) >= 1.0 else "missed",
+                       runs=tuple(len(rs) for rs in rounds.values()),
+                       why=f"{min(sent):.3f}" if sent else "no data"))
+    for pool in ("offline-batch", "online-chat"):
+        shares = [[b["busy"]] for b in (busy(_read(raw / f"flood-{r['round']:02d}-{OURS}-pools.json"), pool)
+                                        for r in rounds[OURS]) if b["samples"]]
+        out.append(_judge(Target(f"flood: {pool} engine busy while requests wait at its gate", 0.9, "higher"),
+                          shares, None, intervals.mean))
+    return out
+
+
+def _ceiling(d: dict, raw: Path) -> list[Finding]:
+    tok: dict[str, list[list[float]]] = {}
+    for r in d["ceiling"]:
+        tok.setdefault(r["path"], []).append([r["output_tok_s"]])
+    c1: dict[str, list[list[float]]] = {}
+    for r in d.get("c1", []):
+        c1.setdefault(r["path"], []).append(_read(raw / f"c1-{r['round']:02d}-{r['path']}.json")["ttfts"])
+    pairs = [("ceiling: output tok/s, poolserve offline pool / vLLM's server", "poolserve", "vllm-server", 0.6),
+             ("ceiling: output tok/s, poolserve offline pool / stock one pool", "poolserve", "stock-one-pool", 1.5),
+             ("ceiling: output tok/s, batch job / raw engine", "batch-job", "raw-engine", 0.5)]
+    out = [_judge(Target(name, bound, "higher"), tok.get(a, []), tok.get(b, []), intervals.mean)
+           for name, a, b, bound in pairs]
+    out.append(_judge(Target("concurrency 1: TTFT P50, poolserve / vLLM's server", 1.2, "lower"),
+                      c1.get("poolserve", []), c1.get("vllm-server", []), intervals.p50))
+    return out
+
+
+def findings(d: dict, raw: Path) -> list[Finding]:
+    """Every target `d` (a run's record, as bench/ceiling.py writes it) has data for."""
+    return (_flood(d, raw) if d["flood"] else []) + (_ceiling(d, raw) if d["ceiling"] or d.get("c1") else [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    raw = Path((argv or sys.argv[1:])[0])
+    for f in findings(json.loads((raw / "partial.json").read_text()), raw):
+        print(f.row())
+
+
+if __name__ == "__main__":
+    main()
