@@ -104,9 +104,6 @@ class PoolSampler:
                         "generated": r.engine.generated_tokens} for r in p.replicas]
                 for name, p in pools.items()}})
 
-    def busy(self, pool: str) -> dict:
-        return verdicts.busy(self.samples, pool)
-
 
 def _loadgen(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "infra.loadgen", *args], cwd=REPO,
@@ -133,7 +130,8 @@ def flood_round(t: Target, raw: Path, stack=None) -> dict:
     online = _loadgen(["--url", t.online_url, "--key", t.online_key, "--model", t.online_model,
                        "--rate", str(ONLINE_RATE), "--prompt", str(ONLINE_LENGTHS[0]),
                        "--output", str(ONLINE_LENGTHS[1]), "--warmup", "0", "--duration", str(FLOOD_S),
-                       "--drain", str(DRAIN_S), "--timeout", str(ONLINE_TIMEOUT_S), "--raw", f"{raw}-online.jsonl.gz"])
+                       "--drain", str(DRAIN_S), "--timeout", str(ONLINE_TIMEOUT_S),
+                       "--raw", f"{raw}-online.jsonl.gz"])
     named = {online.pid: "online load generator", offline.pid: "offline load generator"}
     sampler = PoolSampler(stack) if stack else None
     before, t0 = procs.snapshot(named), time.monotonic()
@@ -149,7 +147,7 @@ def flood_round(t: Target, raw: Path, stack=None) -> dict:
     cpu = procs.cpu_by_role(before, after)
     extra = {"cpu_s": cpu, "window_s": t1 - t0}
     if sampler:
-        extra["busy"] = {p: sampler.busy(p) for p in ("online-chat", "offline-batch")}
+        extra["busy"] = {p: verdicts.busy(sampler.samples, p) for p in ("online-chat", "offline-batch")}
         Path(f"{raw}-pools.json").write_text(json.dumps(sampler.samples))
     Path(f"{raw}-cpu.json").write_text(json.dumps(extra, indent=1))
     return {
