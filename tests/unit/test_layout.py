@@ -5,6 +5,7 @@ The import graph is read from the source, imports inside functions included."""
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,17 @@ def test_every_package_says_what_it_offers():
     for pkg in PACKAGES:
         doc = ast.get_docstring(ast.parse((REPO / pkg / "__init__.py").read_text()))
         assert doc and len(doc) > 40, f"{pkg}/__init__.py has no docstring naming what it offers"
+
+
+def test_no_built_artifacts_or_copied_images_in_the_tree():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    assert not [f for f in tracked if f.endswith((".whl", ".tar.gz", ".egg"))]
+    images = {(REPO / f).read_bytes() for f in tracked if f.startswith("docs/images/")}
+    assert not [f for f in tracked if f.startswith("bench/results/") and f.endswith(".png")
+                and (REPO / f).read_bytes() in images], "a plot lives once, in docs/images"
+
+
+def test_the_readme_shows_the_batch_api_beside_the_cli():
+    readme = (REPO / "README.md").read_text()
+    for call in ("client.files.create(", "client.batches.create(", "poolserve batch submit"):
+        assert call in readme, call
