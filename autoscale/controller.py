@@ -182,20 +182,20 @@ class Controller:
         return p.sweep if p.sweep is not None else p.operator.pinned
 
     def views(self) -> dict[str, PoolView]:
+        now, max_age = self._clock(), self._config.stats_max_age_s
         out = {}
         for name, p in self._pools.items():
-            fresh, target = self._fresh(name), self.target(name)
-            seqs = target if target is not None else self.allowed(name).low
-            sweeping = p.operator.calibrating or p.calibration.state == "calibrating"  # no borrowing in or out
-            out[name] = PoolView(name, len(fresh), seqs * max(1, len(fresh)), sum(s.gate.active for s in fresh),
-                                 sum(s.gate.queued for s in fresh), bool(fresh), sweeping, p.operator.lending)
+            target = self.target(name)
+            out[name] = _view(p, target if target is not None else self.allowed(name).low, now, max_age)
         return out
 
     def status(self, name: str) -> PoolStatus:
         p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
+        serving = self._range(p, False)
         return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
                           pinned=self._pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
+                          serving_range=(serving.low, serving.high),
                           calibration=p.calibration, lending=p.operator.lending, snapshot=snap,
                           replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
 
@@ -320,3 +320,16 @@ class Controller:
                       slo=SloJson(**saved["slo"]) if saved.get("slo") else None)
         log.info("pool %s: restored operator settings %s", name, op)
         return op
+
+
+def _view(p: _PoolState, seqs: int, now: float, max_age: float) -> PoolView:
+    """What routers see of a pool: its fresh replicas' load, and since when any of them last
+    had the pool's own traffic (what the replica saw when it reported, plus the report's age)."""
+    recent = [(t, s) for t, s in p.reports.values() if now - t <= max_age]
+    fresh = [s for _, s in recent]
+    sweeping = p.operator.calibrating or p.calibration.state == "calibrating"  # no borrowing in or out
+    return PoolView(p.spec.name, len(fresh), seqs * max(1, len(fresh)), sum(s.gate.active for s in fresh),
+                    sum(s.gate.queued for s in fresh), bool(fresh), sweeping, p.operator.lending,
+                    own_requests=sum(s.gate.own_work for s in fresh),
+                    borrowed_requests=sum(s.gate.borrowed_requests for s in fresh),
+                    own_quiet_s=min((s.gate.own_idle_s + now - t for t, s in recent), default=float("inf")))

@@ -59,6 +59,9 @@ class PoolView:
     fresh: bool
     calibrating: bool = False  # pinned for a sweep: no borrowing into or out of it
     lending: bool = True  # an operator may stop other pools borrowing this one
+    own_requests: int = 0  # of its own traffic (not borrowed), running or waiting, across replicas
+    borrowed_requests: int = 0  # borrowed from other pools, running, across replicas
+    own_quiet_s: float = float("inf")  # since any replica last had its own traffic, as of the view
 
 
 # -- read by people and programs over HTTP ------------------------------------------------
@@ -161,6 +164,9 @@ class PoolStatus(Frozen):
     calibrating: bool
     safe_range: tuple[int, int]
     ladder: tuple[int, ...]
+    serving_range: tuple[int, int] = Field(
+        (0, 0), description="The range the pool serves in outside a calibration sweep's pins: its profile's, or "
+                            "its fallback while it has none (`safe_range` is the sweep's while one runs).")
     slo: SloJson
     calibration: CalibrationJson
     lending: bool

@@ -10,13 +10,13 @@ Admission order:
      one of its requests is admitted (and is corrected by the real usage at release), the
      queued tenant with the smallest counter goes next, and a tenant that becomes active
      is lifted to the smallest active counter so that idle time earns no credit;
-  3. the head of the chosen queue is admitted only if it fits the limits (active
-     sequences, where a request of `n` choices is `n` sequences, and in-flight tokens).
-     A head that does not fit blocks everything behind
-     it, so a large request is never starved by smaller ones. A request larger than the
-     whole token budget runs alone. Borrowed work (another pool's, lent this pool's idle
-     capacity) only fills what the pool's own work leaves free, and the pool's own work
-     does not count it: chat that returns gets its slots at once, up to the engine ceiling.
+  3. the head of the chosen queue is admitted only if it fits the limits (active sequences,
+     where a request of `n` choices is `n` sequences, and in-flight tokens). A head that
+     does not fit blocks everything behind it, so a large request is never starved by
+     smaller ones. A request larger than the whole token budget runs alone. Borrowed work
+     (another pool's, lent this pool's idle capacity) only fills what the pool's own work
+     leaves free, and the pool's own work does not count it: chat that returns gets its
+     slots at once, up to the engine ceiling (lenders read when its own work was here last).
 
 The queue is bounded in requests and tokens; the bound counts what still waits after an
 arrival was offered the free slots. When an arrival would overfill it, the newest queued
@@ -33,11 +33,11 @@ window, or a queue already deeper than the free slots, nothing waits.
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
+from pools.fair import Admissions, FairClass, Ticket
 from pools.types import BatchLimits, GateStats, PriorityClass, SafeRange
 
 Clock = Callable[[], float]
@@ -66,20 +66,6 @@ class Ceilings:
     max_inflight_tokens: int
 
 
-@dataclass
-class Ticket:
-    """One request at the gate: `seqs` sequences (its `n`) costing `cost` tokens in all."""
-
-    id: int
-    tenant: str
-    weight: float
-    priority: PriorityClass
-    cost: int
-    seqs: int = 1
-    enqueued_at: float = 0.0
-    admitted_at: float | None = None
-
-
 @dataclass(frozen=True)
 class Rejection:
     ticket: Ticket
@@ -100,49 +86,6 @@ class Changes:
         return self
 
 
-class _FairClass:
-    """One priority class: per-tenant FIFO queues ordered by virtual token counters."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, collections.deque[Ticket]] = {}
-        self.counters: dict[str, float] = collections.defaultdict(float)
-        self.last_served = 0.0
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self.queues.values())
-
-    def push(self, t: Ticket) -> None:
-        if t.tenant not in self.queues:
-            active = [self.counters[x] for x in self.queues]
-            floor = min(active) if active else self.last_served
-            self.counters[t.tenant] = max(self.counters[t.tenant], floor)
-            self.queues[t.tenant] = collections.deque()
-        self.queues[t.tenant].append(t)
-
-    def head(self) -> Ticket | None:
-        if not self.queues:
-            return None
-        tenant = min(self.queues, key=lambda x: (self.counters[x], self.queues[x][0].id))
-        return self.queues[tenant][0]
-
-    def pop(self, t: Ticket) -> None:
-        q = self.queues[t.tenant]
-        q.remove(t)
-        if not q:
-            del self.queues[t.tenant]
-
-    def charge(self, t: Ticket, tokens: float) -> None:
-        self.counters[t.tenant] += tokens / t.weight
-        self.last_served = self.counters[t.tenant]
-
-    def newest_first(self) -> Iterator[Ticket]:
-        """Queued tickets from the newest, lazily (each tenant's queue is in arrival order)."""
-        return heapq.merge(*(reversed(q) for q in self.queues.values()), key=lambda t: -t.id)
-
-    def oldest_enqueue(self) -> float | None:
-        return min((q[0].enqueued_at for q in self.queues.values()), default=None)
-
-
 class AdmissionGate:
     def __init__(
         self,
@@ -157,7 +100,7 @@ class AdmissionGate:
         self._clock = clock
         self._allowed = allowed
         self._limits = self._check(limits, allowed)
-        self._classes = {p: _FairClass() for p in PriorityClass}
+        self._classes = {p: FairClass() for p in PriorityClass}
         self._active: dict[int, Ticket] = {}
         self._queued: dict[int, Ticket] = {}
         self._active_seqs = 0
@@ -166,8 +109,9 @@ class AdmissionGate:
         self._borrowed_requests = 0
         self._borrowed_tokens = 0
         self._queued_tokens = 0
+        self._own_seen = float("-inf")  # when the pool's own (not borrowed) work was last here
         self._ids = itertools.count(1)
-        self._admit_times: collections.deque[float] = collections.deque()
+        self._admissions = Admissions(queue.drain_window_s)
         self._counts = collections.Counter[str]()
         self._peak = 0
 
@@ -228,6 +172,7 @@ class AdmissionGate:
             return Changes()
         self._active_seqs -= t.seqs
         self._inflight_tokens -= t.cost
+        self._saw(t)
         if t.priority == PriorityClass.BORROWED:
             self._borrowed_requests -= 1
             self._borrowed_seqs -= t.seqs
@@ -266,7 +211,8 @@ class AdmissionGate:
                 self._borrowed_tokens += t.cost
             self._peak = max(self._peak, self._active_seqs)
             self._classes[t.priority].charge(t, t.cost)
-            self._record_admission(t.admitted_at)
+            self._counts["admitted"] += 1
+            self._admissions.add(t.admitted_at)
             changes.admitted.append(t)
         return changes
 
@@ -339,30 +285,19 @@ class AdmissionGate:
         self._counts["evicted"] += len(victims)
         return [Rejection(v, "evicted", self.retry_after(now)) for v in victims]
 
+    def _saw(self, t: Ticket) -> None:
+        self._own_seen = self._clock() if t.priority != PriorityClass.BORROWED else self._own_seen
+
     def _remove_queued(self, t: Ticket) -> None:
+        self._saw(t)
         del self._queued[t.id]
         self._queued_tokens -= t.cost
         self._classes[t.priority].pop(t)
 
-    def _record_admission(self, now: float) -> None:
-        self._counts["admitted"] += 1
-        self._admit_times.append(now)
-        horizon = now - self._queue.drain_window_s
-        while self._admit_times and self._admit_times[0] < horizon:
-            self._admit_times.popleft()
-
-    def drain_rate(self, now: float) -> float:
-        """Admissions per second over the drain window (0 when nothing was admitted)."""
-        recent = [x for x in self._admit_times if x >= now - self._queue.drain_window_s]
-        if len(recent) < 2:
-            return 0.0
-        span = max(now - recent[0], 1e-3)
-        return len(recent) / span
-
     def retry_after(self, now: float) -> float:
         """Seconds until the queue ahead of a new arrival has likely drained."""
         q = self._queue
-        rate = self.drain_rate(now)
+        rate = self._admissions.rate(now)
         if rate <= 0:
             return q.min_retry_after_s
         estimate = (len(self._queued) + 1) / rate
@@ -370,7 +305,8 @@ class AdmissionGate:
 
     def stats(self) -> GateStats:
         now = self._clock()
-        oldest = self._oldest_enqueue()
+        oldest, lent = self._oldest_enqueue(), len(self._classes[PriorityClass.BORROWED])
+        own = len(self._active) + len(self._queued) - self._borrowed_requests - lent
         return GateStats(
             active=self._active_seqs,
             active_requests=len(self._active),
@@ -380,12 +316,9 @@ class AdmissionGate:
             queued_tokens=self._queued_tokens,
             oldest_wait_s=0.0 if oldest is None else now - oldest,
             limits=self._limits,
-            admitted=self._counts["admitted"],
-            rejected=self._counts["rejected"],
-            cancelled=self._counts["cancelled"],
-            evicted=self._counts["evicted"],
-            completed=self._counts["completed"],
+            **{k: self._counts[k] for k in ("admitted", "rejected", "cancelled", "evicted", "completed")},
             peak_active=self._peak,
+            own_idle_s=0.0 if own else now - self._own_seen,
         )
 
     def is_queued(self, ticket_id: int) -> bool:

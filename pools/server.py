@@ -152,6 +152,11 @@ class PoolServer:
 
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
         arrived = time.monotonic()
+        if call.borrowed and not self._lends(call):
+            self._metrics.rejected(call.tenant, call.priority, "lender_busy")
+            yield Rejected(429, "lender_busy", f"pool {self._settings.name!r} is busy with its own work; the "
+                                               "request goes back to its own pool", 1.0)
+            return
         pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost, call.n)
         try:
             if not pending.decided:  # it waits in the gate's queue: tell the router it got here
@@ -188,6 +193,13 @@ class PoolServer:
             if not done:
                 self._metrics.cancelled(call.tenant, call.priority)
             self._gate.release(ticket, usage.total_tokens if usage else None, cancelled=not done)
+
+    def _lends(self, call: PoolCall) -> bool:
+        """Whether this replica takes a borrowed call now. The borrower decided from the
+        controller's view, a report or two old; here the pool's own work is seen as it is."""
+        s = self._gate.gate.stats()
+        return (s.own_idle_s >= call.lend_after_quiet_s
+                and s.own_work < call.lend_below_utilisation * s.limits.max_active_seqs)
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
         """The engine's output for one call: the usage split off (a `Usage` item) and, for a

@@ -107,6 +107,10 @@ class PoolCall:
     borrowed: bool = False
     include_usage: bool = False
     n: int = 1
+    # a borrowed call: the lender takes it only while its own work has been away this long and
+    # holds less than this share of its limit (the borrower's rule, judged where it is exact)
+    lend_after_quiet_s: float = 0.0
+    lend_below_utilisation: float = 1.0
 
     @property
     def cost(self) -> int:
@@ -199,6 +203,7 @@ class GateStats:
     peak_active: int = 0  # most sequences active at once since the limits last changed
     active_requests: int = 0
     borrowed_requests: int = 0  # of the active requests, those of another pool (or a calibration sweep)
+    own_idle_s: float = float("inf")  # since the pool's own traffic last ran or waited here (0: it does now)
 
     @property
     def own_work(self) -> int:

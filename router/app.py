@@ -134,6 +134,9 @@ class Router:
                                                   f"after {retry_after_header(hint)}s", retry_after_s=hint)
             s.mark("sent")
             sent = dataclasses.replace(call, priority=cls, borrowed=attempt.borrowed)
+            if attempt.borrowed and (rule := self._routes[home].borrow) is not None:
+                sent = dataclasses.replace(sent, lend_after_quiet_s=rule.after_quiet_s,
+                                           lend_below_utilisation=rule.while_below_utilisation)
             stream = PoolStream(self._pools[attempt.pool].generate.remote(sent), attempt.pool, s)
             verdict = await _guarded(stream, stream.verdict(self._loads, cls, self._s.router.reach_timeout_s))
             if isinstance(verdict, Admitted):

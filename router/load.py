@@ -76,11 +76,17 @@ class PoolLoads:
         return {p: self.view(p) is not None for p in self._routes}
 
     def load(self, pool: str) -> PoolLoad:
-        quiet = 0.0 if self._own[pool] else self._clock() - self._own_seen[pool]
+        """The pool's load as far as this replica can tell: its own counts, and the view's,
+        which also covers the requests that reached the pool by other ways (other router
+        replicas, the pool's own HTTP); the view is a report or two old."""
+        own, borrowed = self._own[pool], self._borrowed[pool]
+        quiet = 0.0 if own else self._clock() - self._own_seen[pool]
         v = self.view(pool)
         if v is None:
-            return PoolLoad(self._routes[pool].start_capacity, self._own[pool], self._borrowed[pool], quiet_s=quiet)
-        return PoolLoad(v.capacity, self._own[pool], self._borrowed[pool], v.active + v.queued, v.queued, quiet)
+            return PoolLoad(self._routes[pool].start_capacity, own, borrowed, quiet_s=quiet)
+        seen = v.own_quiet_s + self._clock() - self._views_at
+        return PoolLoad(v.capacity, max(own, v.own_requests), max(borrowed, v.borrowed_requests), v.active + v.queued,
+                        v.queued, min(quiet, seen))
 
     def may_borrow(self, home: str, target: str) -> bool:
         """Never without a fresh view of both pools, nor while either is being calibrated,

@@ -291,6 +291,25 @@ def test_dry_run_decides_but_never_applies():
     assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 4
 
 
+def test_views_say_how_long_a_pools_own_work_has_been_away():
+    """The youngest word of any fresh replica, aged by the time since it reported."""
+    import dataclasses
+
+    c, clock = controller()
+    assert c.views()["p"].own_quiet_s == float("inf")  # nothing reported
+    quiet = stats(seqs=2)
+    c.report(dataclasses.replace(quiet, replica="r1", gate=dataclasses.replace(quiet.gate, own_idle_s=7.0)))
+    clock.t += 1
+    c.report(dataclasses.replace(quiet, replica="r2", gate=dataclasses.replace(quiet.gate, own_idle_s=2.0)))
+    clock.t += 0.5
+    view = c.views()["p"]
+    assert view.own_quiet_s == 2.5 and view.own_requests == 0
+    busy = stats(seqs=3)
+    c.report(dataclasses.replace(busy, replica="r2", gate=dataclasses.replace(busy.gate, active_requests=3,
+                                                                              own_idle_s=0.0)))
+    assert c.views()["p"].own_quiet_s == 0.0 and c.views()["p"].own_requests == 3
+
+
 def test_lending_switch_shows_in_views():
     c, _ = controller()
     assert c.views()["p"].lending

@@ -321,3 +321,23 @@ def test_n_above_the_limit_runs_only_alone():
     assert gate.stats().active == 16
     _, ch = offer(gate, cost=10)
     assert ch.admitted == []
+
+
+def test_the_gate_knows_how_long_its_own_work_has_been_away():
+    """Borrowed work does not count as the pool's own; own work running or waiting is 0 s away;
+    the clock starts when the last own request leaves (done, cancelled or evicted)."""
+    gate, clock = make_gate(seqs=2)
+    assert gate.stats().own_idle_s == float("inf")  # never had any
+    lent, _ = offer(gate, prio=P.BORROWED)
+    clock.advance(5)
+    assert gate.stats().own_idle_s == float("inf")
+    own, _ = offer(gate, prio=P.INTERACTIVE)
+    waiting, _ = offer(gate, prio=P.STANDARD)  # queued behind two slots
+    assert gate.stats().own_idle_s == 0.0
+    gate.release(own.id, 10)
+    clock.advance(3)
+    assert gate.stats().own_idle_s == 0.0  # the queued one still waits (or runs)
+    gate.cancel(waiting.id)
+    clock.advance(2)
+    gate.release(lent.id, 10)
+    assert gate.stats().own_idle_s == 2.0

@@ -256,3 +256,28 @@ def test_serve_stopping_a_replica_stops_its_report_loop_and_its_engine():
         return server._loops.running
 
     assert asyncio.run(go()) == [] and Reporting.stopped
+
+
+def test_a_lender_refuses_borrowed_work_while_its_own_work_is_here_or_recent():
+    """The borrower judged from the controller's view, a report or two old; the lender judges
+    from its own gate: its own work now, or within the borrower's quiet time, sends the
+    borrowed call home (a refusal the router follows with the home pool)."""
+    import dataclasses
+
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server()
+        own = asyncio.get_running_loop().create_task(collect(server, call(PriorityClass.INTERACTIVE)))
+        await asyncio.sleep(0.01)  # the own request holds its slot, streaming
+        borrowed = dataclasses.replace(call(PriorityClass.BORROWED), borrowed=True, lend_below_utilisation=0.5)
+        while_busy = await collect(server, borrowed)
+        FakeEngine.release.set()
+        await own
+        just_after = await collect(server, dataclasses.replace(borrowed, lend_after_quiet_s=60))
+        quiet_enough = await collect(server, dataclasses.replace(borrowed, lend_after_quiet_s=0))
+        return while_busy, just_after, quiet_enough
+
+    while_busy, just_after, quiet_enough = asyncio.run(go())
+    for refused in (while_busy, just_after):
+        assert isinstance(refused[0], Rejected) and refused[0].reason == "lender_busy" and len(refused) == 1
+    assert isinstance(quiet_enough[0], Admitted) and isinstance(quiet_enough[-1], Finished)

@@ -120,3 +120,23 @@ def _tenant(**kw):
 def test_a_tenant_never_gets_above_its_ceiling(tenant, pool_default, asked, expected):
     t = _tenant(**tenant)
     assert resolve_priority(t.default_class(pool_default), t.ceiling(pool_default), asked) == expected
+
+
+def test_a_lender_busy_in_the_controllers_view_is_not_borrowed():
+    """Chat reaches the online pool's replicas directly, never through the offline pool's
+    route: what that route knows of the online pool's own traffic comes from the view."""
+    from pools.control import PoolView
+    from router.load import PoolLoads
+    from router.policy import PoolRoute
+
+    now = [100.0]
+    routes = {p: PoolRoute(p, p, 8, P.STANDARD) for p in ("online", "offline")}
+    loads = PoolLoads(routes, lambda: now[0], view_max_age_s=5)
+    rule = BorrowRule("online", 0.25, 0.5, after_quiet_s=1.0)
+    saturated = PoolView("offline", 1, 8, 8, 20, True)
+    for own, quiet, expected in ((3, 0.0, False), (0, 0.3, False), (0, 2.0, True)):
+        loads.update_views({"offline": saturated, "online": PoolView("online", 1, 8, own, 0, True, own_requests=own,
+                                                                    own_quiet_s=quiet)})
+        now[0] += 0.5  # the view is half a second old: chat was that much longer ago
+        ok, why = borrow_decision(loads.load("offline"), loads.load("online"), rule)
+        assert ok is expected, (own, quiet, why)

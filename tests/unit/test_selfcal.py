@@ -96,7 +96,7 @@ class FakePool:
     the pool's own traffic can be made to appear."""
 
     def __init__(self, c: Controller) -> None:
-        self.c, self.active, self.tokens, self.own, self.seen_steps = c, 0, 0.0, 0, []
+        self.c, self.active, self.tokens, self.own, self.seen_steps, self.serving = c, 0, 0.0, 0, [], []
 
     def handle(self, name):
         return SimpleNamespace(generate=SimpleNamespace(remote=lambda call: self._stream(call)))
@@ -117,7 +117,9 @@ class FakePool:
             await asyncio.sleep(0.05)
             b = self.active
             self.tokens += 0.05 * (1000 * b / (20 + b))
-            self.seen_steps.append(self.c.allowed("p").high if self.c.status("p").pinned else None)
+            status = self.c.status("p")
+            self.seen_steps.append(self.c.allowed("p").high if status.pinned else None)
+            self.serving.append(status.serving_range)
             report(self.c, FP, active=b, tokens=int(self.tokens), own=self.own, borrowed=b)
 
 
@@ -135,12 +137,15 @@ def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it
             await asyncio.wait_for(cal.step(), 60)
         finally:
             reporter.cancel()
-        return c
+        return c, pool
 
-    c = asyncio.run(go())
+    c, pool = asyncio.run(go())
     status = c.status("p")
     assert status.calibration.state == "profile" and "sweep of this set-up" in status.calibration.source
     assert status.safe_range == (1, 64) and status.pinned is None  # the knee of 20 + b ms: 128 is past it
+    # while the sweep pinned its steps, the pool served (and the status said so) at its fallback
+    assert set(pool.serving[:len(pool.serving) // 2]) == {(FALLBACK.low, FALLBACK.high)}
+    assert status.serving_range == (1, 64)
     again = controller(spec(), store)  # a second start on the same set-up
     report(again, FP)
     assert again.calibration("p").state == "profile" and "profile store" in again.calibration("p").source
