@@ -27,6 +27,7 @@ class PoolSpec:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     sweep: tuple[int, ...] = ()  # the ladder a calibration steps through
     deployment: str = ""  # the pool's Serve deployment (a calibration sends its requests there)
+    app: str = ""  # the Serve application it is in ("": the controller's own)
 
 
 

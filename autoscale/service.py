@@ -50,8 +50,9 @@ class ControllerService:
     def _pool_handle(self, pool: str):
         from ray import serve
 
-        app = serve.get_replica_context().app_name
-        return serve.get_deployment_handle(self.controller.spec(pool).deployment, app).options(stream=True)
+        spec = self.controller.spec(pool)
+        app = spec.app or serve.get_replica_context().app_name
+        return serve.get_deployment_handle(spec.deployment, app).options(stream=True)
 
     async def report(self, stats: ReplicaStats) -> LimitsDirective:
         return self.controller.report(stats)

@@ -163,13 +163,13 @@ def ray_cluster(num_cpus: int = 16, metrics_port: int = 8080) -> Iterator[None]:
     import ray
     from ray import serve
 
-    from deployments.app import local_ray_init_kwargs
+    from deployments.app import start_local_ray
     from deployments.config import RayConfig
 
     # the embedded default's Ray settings (worker niceness), the same for every set-up
     ray_config = RayConfig(**{**local_config().get("ray", {}), "num_cpus": num_cpus,
                               "metrics_export_port": metrics_port})
-    ray.init(include_dashboard=False, log_to_driver=False, **local_ray_init_kwargs(ray_config))
+    start_local_ray(ray_config, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     try:
         yield
@@ -178,19 +178,27 @@ def ray_cluster(num_cpus: int = 16, metrics_port: int = 8080) -> Iterator[None]:
         ray.shutdown()
 
 
-def deploy(config: dict, name: str = "poolserve", route_prefix: str = "/") -> Stack:
+def deploy(config: dict, name: str = "poolserve") -> Stack:
     """Deploy poolserve from a config dict (paths absolute) into the running cluster."""
-    from ray import serve
-
-    from deployments.app import build_app
+    from deployments import app
     from deployments.config import parse, resolve
 
     resolved = resolve(parse(config), REPO)
-    serve.run(build_app(resolved), name=name, route_prefix=route_prefix)
+    app.deploy(resolved, name)
     stack = Stack("http://127.0.0.1:8000", resolved)
     stack.wait(lambda: all(v.replicas for v in stack.admin.pools().values()), 60)
     warm_up(stack)
     return stack
+
+
+def teardown(name: str) -> None:
+    """Delete the application `name`, with the applications of its pools (`name-<pool>`)."""
+    from ray import serve
+
+    for app in serve.status().applications:
+        if app == name or app.startswith(f"{name}-"):
+            serve.delete(app)
+    time.sleep(3)
 
 
 def warm_up(stack: Stack, requests: int = 8) -> None:

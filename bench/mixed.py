@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import KEYS, REPO, EngineTokens, deploy, local_config, ray_cluster, write_result
+from bench.common import KEYS, REPO, EngineTokens, deploy, local_config, ray_cluster, teardown, write_result
 from deployments.config import RayConfig
 
 ONLINE_RATE = 4.0
@@ -236,13 +236,6 @@ def _warm_stock(url: str, models: list[str]) -> None:
                              "max_tokens": 8})
 
 
-def _teardown(name: str) -> None:
-    from ray import serve
-
-    serve.delete(name)
-    time.sleep(3)
-
-
 def setup_single(policy: str) -> Endpoints:
     url = _stock([_llm_config("tiny-llama", 64, 4096, 2.0, "0-1", policy, 10)])
     if policy == "priority":
@@ -341,7 +334,7 @@ def plot(results: dict, floor: dict, path: Path) -> None:
 def run_two_pools(ep: Endpoints) -> tuple[dict, dict]:
     result = run_setup("stock-two-pools", ep)
     floor = contention_floor(ep)
-    _teardown("stock")
+    teardown("stock")
     return result, floor
 
 
@@ -351,7 +344,7 @@ def run_single_pools() -> dict:
     time.sleep(5)  # the abandoned flood's requests are aborted
     # alone, online or offline, every request has one priority: the same load as single-fcfs's
     results["single-priority"] = run_setup("single-priority", priority, alone_as=results["single-fcfs"])
-    _teardown("stock")
+    teardown("stock")
     return results
 
 
@@ -390,7 +383,7 @@ def main() -> None:
     with ray_cluster():
         stack = deploy(local_config())
         results = {"poolserve": run_setup("poolserve", Endpoints(**{**POOLSERVE.__dict__, "admin": stack}))}
-        _teardown("poolserve")
+        teardown("poolserve")
         results["stock-two-pools"], floor = run_two_pools(setup_two_pools())
         results.update(run_single_pools())
     write_result("mixed", report(results, floor, time.monotonic() - started))

@@ -25,7 +25,7 @@ import asyncio
 import random
 import statistics
 
-from bench.common import KEYS, deploy, local_config, ray_cluster, write_result
+from bench.common import KEYS, deploy, local_config, ray_cluster, teardown, write_result
 from infra.loadgen import Target, Window, _client, closed_loop, send
 from infra.results import summarize
 from infra.traffic import make_prompt, synthetic_lengths
@@ -110,13 +110,13 @@ def direct_target(stock_url: str) -> Target:
 
 
 def main() -> None:
-    from bench.mixed import _teardown, setup_two_pools
+    from bench.mixed import setup_two_pools
 
     with ray_cluster():
         stack = deploy(local_config())
         ep = setup_two_pools("/stock")
         result = run(stack, direct_target(ep.online_url))
-        _teardown("stock")
+        teardown("stock")
     write_result("overhead", result)
 
 

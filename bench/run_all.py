@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from bench import autoscale, mixed, overhead, report
-from bench.common import deploy, local_config, ray_cluster, write_result
+from bench.common import deploy, local_config, ray_cluster, teardown, write_result
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
         two_pools = mixed.setup_two_pools("/stock")
         step("overhead benchmark")
         write_result("overhead", overhead.run(stack, overhead.direct_target(two_pools.online_url)))
-        mixed._teardown("poolserve")
+        teardown("poolserve")
         step("mixed: stock two pools and the floor")
         results["stock-two-pools"], floor = mixed.run_two_pools(two_pools)
         step("mixed: single pools")

@@ -1,28 +1,34 @@
-"""The composition root: one config in, one Serve application out.
+"""The composition root: one config in, Serve applications out.
 
-    router (ingress)  ->  pool-<name> (PoolServer, one deployment per pool)
-          |                      |  report stats / receive limits
-          +-> quota-ledger       +-> autoscale-controller
+    poolserve (at /)                  router (ingress) -> autoscale-controller, quota-ledger,
+                                      batch-service
+    poolserve-<pool> (at its prefix)  pool-<pool>: PoolIngress, the pool's replicas answering
+                                      their own HTTP (route, gate and engine in one process)
 
-`build_app(resolved)` is used by `poolserve serve`; `app_builder(args)` is the import
-path for `serve run` / `serve deploy` / KubeRay's serveConfigV2
-(`deployments.app:app_builder` with args `{config_path}` or `{config, base_dir}`).
-Serve wiring lives here and nowhere else.
+The pools reach the controller and the ledger, and the router and each other reach the pools,
+by name across applications (`infra.handles.Lookup`). `deploy(resolved)` runs them all
+(`poolserve serve`, the tests, the benchmarks); `app_builder(args)` is the import path for
+`serve run` / `serve deploy` / KubeRay's serveConfigV2 (`deployments.app:app_builder` with
+args `{config_path}` or `{config, base_dir}`, plus `part`: `control` or a pool's name, and
+`name`, the control application's). Serve wiring lives here and nowhere else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from pathlib import Path
 from typing import Any
 
 from ray import serve
+from ray.serve import RunTarget
 from ray.serve.deployment import Application
 
 from autoscale.ranges import PoolSpec
 from autoscale.service import ControllerService
 from deployments.config import Resolved, ResolvedPool, load, parse, resolve
+from infra.handles import Lookup
 from infra.state import DirStore, GcsStore
 from pools.config import PoolConfig
 from pools.gate import Ceilings, QueuePolicy
@@ -32,6 +38,7 @@ from router.leases import LedgerService
 from router.policy import BorrowRule
 from router.quota import Quota
 
+APP_NAME = "poolserve"  # the control application's; each pool's is `<APP_NAME>-<pool>`
 ROUTER = "router"
 CONTROLLER = "autoscale-controller"
 LEDGER = "quota-ledger"
@@ -41,6 +48,16 @@ STATE_NAMESPACE = "poolserve"  # Ray's GCS key-value namespace of the control st
 
 def pool_deployment_name(pool: str) -> str:
     return f"pool-{pool}"
+
+
+def pool_app_name(pool: str, app: str = APP_NAME) -> str:
+    return f"{app}-{pool}"
+
+
+def replica_class(deployment: str, app: str = APP_NAME) -> str:
+    """Ray's class name of a deployment's replica actors, and their processes' title."""
+    pool = deployment.removeprefix("pool-")
+    return f"ServeReplica:{pool_app_name(pool, app) if pool != deployment else app}:{deployment}"
 
 
 def fingerprint_base(resolved: Resolved, pool: PoolConfig) -> dict[str, Any]:
@@ -57,6 +74,20 @@ def engine_env() -> dict[str, str]:
     faster without AOT (bench/notes.md). The deploying process's own `VLLM_USE_AOT_COMPILE`
     wins."""
     return {"VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
+
+
+def start_local_ray(ray_config, **init: Any) -> None:
+    """Start the Ray that poolserve runs on itself (`poolserve serve`, the integration suite,
+    the benchmarks): its processes inherit this process's environment, which carries Serve's
+    ingress choice (`ray.haproxy`). An ingress replica's drain before it stops is HAProxy's
+    grace to take it out of rotation: on one host that takes milliseconds, not Serve's 30 s."""
+    import ray
+
+    if ray_config.haproxy:
+        os.environ.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
+    else:
+        os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
+    ray.init(**init, **local_ray_init_kwargs(ray_config))
 
 
 def local_ray_init_kwargs(ray_config) -> dict[str, Any]:
@@ -90,14 +121,15 @@ def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str =
         engine_kwargs=engine_kwargs,
         accelerator_config={"kind": e.accelerator},
         runtime_env={"env_vars": env} if env else None,
-        deployment_config=pool_serve_options(rp),
+        deployment_config=pool_serve_options(rp, router_ongoing=resolved.config.router.max_ongoing_requests),
         log_engine_metrics=True,
     )
 
 
-def pool_serve_options(rp: ResolvedPool, name: str | None = None) -> dict[str, Any]:
-    """Serve options: room for the gate's whole queue plus its slots, so Serve never queues
-    in front of the gate, and replica autoscaling tuned for slow-starting LLM replicas.
+def pool_serve_options(rp: ResolvedPool, name: str | None = None, router_ongoing: int = 16) -> dict[str, Any]:
+    """Serve options: room for the gate's whole queue plus its slots, and for the requests its
+    own route holds before they reach the gate (`router_ongoing`: the router's bound), so Serve
+    never queues in front of the gate; replica autoscaling tuned for slow-starting LLM replicas.
     They travel in the LLMConfig's `deployment_config`, where ray.serve.llm merges the
     engine's placement and runtime env into them."""
     c = rp.config
@@ -112,7 +144,7 @@ def pool_serve_options(rp: ResolvedPool, name: str | None = None) -> dict[str, A
         actor["resources"] = dict(r.resources)
     return {
         "name": name or pool_deployment_name(rp.name),
-        "max_ongoing_requests": c.queue.max_queued + c.engine.max_num_seqs + 16,
+        "max_ongoing_requests": c.queue.max_queued + c.engine.max_num_seqs + router_ongoing,
         "autoscaling_config": autoscaling,
         "ray_actor_options": actor,
         "health_check_period_s": 10,
@@ -146,9 +178,9 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
 
 
 def internal_logging(resolved: Resolved) -> dict[str, Any]:
-    """Serve's logging for deployments only other deployments call (pools, controller, ledger):
-    their per-call access lines (several a second at rest: reports, views, syncs) are off
-    unless `ray.access_logs` asks for them."""
+    """Serve's logging for the controller, the ledger and the pools: their per-call access lines
+    (several a second at rest: reports, views, syncs; a pool's route logs one line of its own
+    per request) are off unless `ray.access_logs` asks for them."""
     return {"enable_access_log": resolved.config.ray.access_logs}
 
 
@@ -177,22 +209,29 @@ def closed_on_shutdown(cls: type) -> type:
     return closed
 
 
-def build_pool(resolved: Resolved, rp: ResolvedPool, controller: Application | None) -> Application:
+def build_pool(resolved: Resolved, rp: ResolvedPool, app: str, pools: dict[str, Lookup]) -> Application:
+    """A pool's application: its replicas answer HTTP at the pool's prefix themselves."""
+    from deployments.pool_ingress import PoolIngress
     from pools.llm import deployment_options
-    from pools.server import PoolServer
+    from router.ingress import POOL_ROUTES, make_app, routed
 
     config = llm_config(resolved, rp)
     options = {**deployment_options(config), "name": pool_deployment_name(rp.name),
                "logging_config": internal_logging(resolved)}
-    return serve.deployment(closed_on_shutdown(PoolServer), **options).bind(
-        llm_config=config, settings=pool_settings(resolved, rp), controller=controller)
+    http = make_app(f"poolserve {rp.name}")
+    ingress = closed_on_shutdown(serve.ingress(http)(routed(http, PoolIngress, POOL_ROUTES)))
+    return serve.deployment(ingress, **options).bind(
+        llm_config=config, settings=pool_settings(resolved, rp),
+        router=dataclasses.replace(router_settings(resolved), batches=None),  # the Batch API is the control app's
+        prefix=rp.config.route_prefix.lstrip("/"), peers={p: h for p, h in pools.items() if p != rp.name},
+        controller=Lookup(CONTROLLER, app), ledger=Lookup(LEDGER, app))
 
 
-def pool_spec(rp: ResolvedPool) -> PoolSpec:
+def pool_spec(rp: ResolvedPool, app: str = APP_NAME) -> PoolSpec:
     c = rp.config
     return PoolSpec(rp.name, rp.safe_range, c.slo.ttft_p99_ms / 1e3, c.slo.tpot_p99_ms / 1e3, c.engine.max_num_seqs,
                     fallback=rp.fallback, profile=rp.profile, calibration=c.calibration, sweep=rp.sweep,
-                    deployment=pool_deployment_name(rp.name))
+                    deployment=pool_deployment_name(rp.name), app=pool_app_name(rp.name, app))
 
 
 def profile_store(resolved: Resolved):
@@ -200,8 +239,8 @@ def profile_store(resolved: Resolved):
     return DirStore(resolved.profiles_dir) if resolved.profiles_dir else GcsStore(STATE_NAMESPACE)
 
 
-def build_controller(resolved: Resolved) -> Application:
-    specs = {name: pool_spec(rp) for name, rp in resolved.pools.items()}
+def build_controller(resolved: Resolved, app: str) -> Application:
+    specs = {name: pool_spec(rp, app) for name, rp in resolved.pools.items()}
     return serve.deployment(closed_on_shutdown(ControllerService), name=CONTROLLER, num_replicas=1,
                             max_ongoing_requests=10_000,
                             ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
@@ -257,7 +296,7 @@ def build_batches(resolved: Resolved) -> Application | None:
         settings, RayJobRunner(c.batches.dashboard_url), c.batches.poll_interval_s)
 
 
-def build_router(resolved: Resolved, pools: dict[str, Application], controller: Application,
+def build_router(resolved: Resolved, pools: dict[str, Lookup], controller: Application,
                  ledger: Application, batches: Application | None = None) -> Application:
     from router.ingress import make_app, route_class
 
@@ -270,16 +309,34 @@ def build_router(resolved: Resolved, pools: dict[str, Application], controller: 
         router_settings(resolved), pools, controller, ledger, renderer, batches)
 
 
-def build_app(resolved: Resolved) -> Application:
-    controller = build_controller(resolved)
-    ledger = build_ledger(resolved)
-    pools = {name: build_pool(resolved, rp, controller) for name, rp in resolved.pools.items()}
-    return build_router(resolved, pools, controller, ledger, build_batches(resolved))
+def build_apps(resolved: Resolved, app: str = APP_NAME) -> dict[str, RunTarget]:
+    """The control application (`control`) and one per pool (by the pool's name)."""
+    pools = {name: Lookup(pool_deployment_name(name), pool_app_name(name, app)) for name in resolved.pools}
+    control = build_router(resolved, pools, build_controller(resolved, app), build_ledger(resolved),
+                           build_batches(resolved))
+    out = {"control": RunTarget(control, app, "/")}
+    for name, rp in resolved.pools.items():
+        out[name] = RunTarget(build_pool(resolved, rp, app, pools), pool_app_name(name, app), rp.config.route_prefix)
+    return out
+
+
+def deploy(resolved: Resolved, app: str = APP_NAME) -> None:
+    """Run every application of `resolved` at once (engines start side by side) and wait
+    until all are running."""
+    serve.run_many(list(build_apps(resolved, app).values()))
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Serve's application-builder entry point (`serve run deployments.app:app_builder`)."""
+    """Serve's application-builder entry point (`serve run deployments.app:app_builder`):
+    `args["part"]` names the application (`control`, the default, or a pool's name) and
+    `args["name"]` the control application's name (its pools' follow from it)."""
     if "config_path" in args:
-        return build_app(load(args["config_path"]))
-    config = parse(args["config"], "serveConfigV2 args.config")
-    return build_app(resolve(config, Path(args.get("base_dir", ".")), "serveConfigV2 args.config"))
+        resolved = load(args["config_path"])
+    else:
+        config = parse(args["config"], "serveConfigV2 args.config")
+        resolved = resolve(config, Path(args.get("base_dir", ".")), "serveConfigV2 args.config")
+    apps = build_apps(resolved, args.get("name", APP_NAME))
+    part = args.get("part", "control")
+    if part not in apps:
+        raise ValueError(f"app_builder args.part is {part!r}; it is 'control' or a pool: {', '.join(resolved.pools)}")
+    return apps[part].target

@@ -8,7 +8,6 @@ import signal
 import sys
 from pathlib import Path
 
-APP_NAME = "poolserve"
 
 
 def load_or_report(path: str):
@@ -84,7 +83,7 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, local_ray_init_kwargs
+    from deployments.app import APP_NAME, deploy, start_local_ray
 
     resolved = load_or_report(args.config)
     if resolved is None:
@@ -102,10 +101,10 @@ def _cmd_serve(args) -> int:
                   file=sys.stderr)
             return 1
     else:
-        ray.init(include_dashboard=c.ray.dashboard, **local_ray_init_kwargs(c.ray))
+        start_local_ray(c.ray, include_dashboard=c.ray.dashboard)
     serve.start(http_options={"host": host, "port": port})
     print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
-    serve.run(build_app(resolved), name=APP_NAME, route_prefix="/")
+    deploy(resolved, APP_NAME)
     base = f"http://{host}:{port}"
     print(f"\npoolserve is up at {base}")
     for name, rp in resolved.pools.items():
@@ -134,7 +133,7 @@ def _profile_lines(wait_s: float = 30.0) -> list[str]:
 
     from ray import serve
 
-    from deployments.app import CONTROLLER
+    from deployments.app import APP_NAME, CONTROLLER
 
     controller = serve.get_deployment_handle(CONTROLLER, APP_NAME)
     deadline = time.monotonic() + wait_s
@@ -147,7 +146,7 @@ def _profile_lines(wait_s: float = 30.0) -> list[str]:
     for name, s in status.items():
         cal = s.calibration
         what = {"calibrating": "calibrating in the background", "profile": "calibrated"}.get(cal.state, cal.state)
-        out.append(f"  safe range {name:<9} {list(s.safe_range)}: {what}: {cal.source}" +
+        out.append(f"  safe range {name:<9} {list(s.serving_range)}: {what}: {cal.source}" +
                    (f"; {cal.detail}" if cal.state != "profile" and cal.detail else ""))
     return out
 

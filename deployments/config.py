@@ -39,6 +39,11 @@ class RayConfig(Frozen):
         0, ge=0, le=19, description="Linux nice of Ray's worker processes (Serve replicas, the HTTP proxy, "
                                     "engines). Ray's own default, 15, ranks the whole serving path below any "
                                     "ordinary process on the host; a pool's `replicas.nice` counts from this.")
+    haproxy: bool = Field(
+        True, description="Serve's HTTP entry is HAProxy (Ray Serve's direct ingress) instead of its Python "
+                          "proxy: each pool replica and router replica serves HTTP itself and HAProxy routes to "
+                          "it by path, one process less on every request. A cluster poolserve joins keeps its "
+                          "own setting (`RAY_SERVE_ENABLE_HA_PROXY=1` where `ray start` runs).")
 
 
 class ProfilesConfig(Frozen):

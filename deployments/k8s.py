@@ -164,16 +164,25 @@ def _keys_volume(s: RenderSettings) -> dict:
 
 
 def rayservice(config: dict, s: RenderSettings) -> dict:
+    from deployments.app import pool_app_name
+
+    # the control application at / and one per pool at its prefix (deployments.app.build_apps)
+    parts = [("control", s.name, "/")] + [(pool, pool_app_name(pool, s.name), p["route_prefix"])
+                                          for pool, p in config["pools"].items()]
     serve_config = {"applications": [{
-        "name": s.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH,
-        "args": {"base_dir": f"{IMAGE_HOME}/deployments/configs", "config": config},
-    }]}
+        "name": name, "route_prefix": prefix, "import_path": APP_IMPORT_PATH,
+        "args": {"base_dir": f"{IMAGE_HOME}/deployments/configs", "config": json.loads(json.dumps(config)),  # no
+                 "part": part, "name": s.name},  # YAML aliases: each application carries its own copy
+    } for part, name, prefix in parts]}
     head_ports = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                   {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"},
                   {"containerPort": METRICS_PORT, "name": "metrics"}]
     # Ray starts workers at nice 15 unless told: the serving path would rank below every
     # ordinary process on the node (see `ray.worker_niceness`).
-    niceness = {"name": "RAY_worker_niceness", "value": str(RayConfig(**config.get("ray", {})).worker_niceness)}
+    ray_config = RayConfig(**config.get("ray", {}))
+    env = [{"name": "RAY_worker_niceness", "value": str(ray_config.worker_niceness)}]
+    if ray_config.haproxy:  # Serve's HTTP entry on every node is HAProxy, to the replicas' own ports
+        env.append({"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"})
     workers = []
     for pool, p in config["pools"].items():
         r = p.get("replicas", {})
@@ -186,7 +195,7 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
             "template": {"metadata": {"labels": _cluster_labels(s)}, "spec": {
                 "containers": [_container(s, "ray-worker", {
                     "cpu": s.worker_cpu, "memory": s.worker_memory, "nvidia.com/gpu": str(s.gpus_per_worker)},
-                    [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(niceness)])],
+                    [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(e) for e in env])],
                 "volumes": [_keys_volume(s)],
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             }},
@@ -207,7 +216,7 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
                     "template": {"metadata": {"labels": _cluster_labels(s)},
                                  "spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
-                                                                    head_ports, [dict(niceness)])],
+                                                                    head_ports, [dict(e) for e in env])],
                                           "volumes": [_keys_volume(s)]}},
                 },
                 "workerGroupSpecs": workers,

@@ -1,2 +1,3 @@
 """Shared infrastructure every poolserve package may import, and which imports none of them:
-logging, metrics export, background loops, small statistics, the load generator."""
+logging, metrics export, background loops, small statistics, the load generator, and
+look-ups of deployments in other Serve applications (`handles`)."""

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from infra.handles import resolve
 from router.app import Router
 from router.errors import ApiError
 from router.pricing import RESERVED_FIELDS
@@ -160,24 +161,55 @@ class Endpoints(Router):
         return await self.admin.lending(request, pool)
 
 
+class PoolEndpoints:
+    """The paths a pool replica answers itself, under its pool's prefix (which Serve strips):
+    the route runs in the pool's own process. The class that mixes this in sets `router` (a
+    Router whose pool of that name is the replica itself) and `prefix`."""
+
+    router: Router
+    prefix: str
+
+    async def chat_here(self, request: Request) -> Response:
+        return await self.router.route(request, "chat", self.prefix)
+
+    async def completions_here(self, request: Request) -> Response:
+        return await self.router.route(request, "completions", self.prefix)
+
+    async def models_here(self, request: Request) -> Response:
+        return await self.router.models(request, self.prefix)
+
+
+POOL_ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("post", "/v1/chat/completions", "chat_here"),
+    ("post", "/v1/completions", "completions_here"),
+    ("get", "/v1/models", "models_here"),
+)
+
+
+def routed(app: FastAPI, cls: type, routes: tuple[tuple[str, str, str], ...], **extra) -> type:
+    """A subclass of `cls` whose methods named in `routes` are registered on `app` (Serve's
+    class-based views), with `extra` attributes."""
+    methods = dict(extra)
+    for verb, path, name in routes:
+        methods[name] = getattr(app, verb)(path, include_in_schema=True, name=name)(getattr(cls, name))
+    out = type(cls.__name__, (cls,), methods)
+    out.__qualname__ = cls.__qualname__
+    return out
+
+
 def route_class(app: FastAPI, cls: type = Endpoints) -> type:
-    """A subclass of `cls` whose methods are registered on `app` (Serve's class-based views),
-    warmed in its constructor (Serve awaits an async one) so a first request costs no more
-    than the next."""
+    """The router's class on `app`, warmed in its constructor (Serve awaits an async one) so a
+    first request costs no more than the next. Deployments of other applications (the pools)
+    come as `infra.handles.Lookup`s."""
 
     async def __init__(self, settings, pools, controller, ledger, llm_config, batches=None) -> None:
         from pools.llm import PromptRenderer
 
-        cls.__init__(self, settings, pools, controller, ledger, PromptRenderer(llm_config), batches=batches)
+        cls.__init__(self, settings, {name: resolve(p) for name, p in pools.items()}, resolve(controller),
+                     resolve(ledger), PromptRenderer(llm_config), batches=batches)
         await self.warm()
 
-    methods = {"__init__": __init__}
-    for verb, path, name in ROUTES:
-        fn = getattr(cls, name)
-        methods[name] = getattr(app, verb)(path, include_in_schema=True, name=name)(fn)
-    routed = type(cls.__name__, (cls,), methods)
-    routed.__qualname__ = cls.__qualname__
-    return routed
+    return routed(app, cls, ROUTES, __init__=__init__)
 
 
 def _openapi(app: FastAPI) -> dict:

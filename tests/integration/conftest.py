@@ -99,8 +99,15 @@ class Stack:
             yield
 
     def wait_idle(self, pool: str, timeout: float = 120) -> None:
-        wait_for(lambda: (lambda r: r["active"] == 0 and sum(r["queued_by_class"].values()) == 0)(self.replica(pool)),
-                 timeout, what=f"{pool} idle")
+        last = {}
+
+        def idle() -> bool:
+            last["report"] = r = self.replica(pool)
+            return r["active"] == 0 and sum(r["queued_by_class"].values()) == 0
+        try:
+            wait_for(idle, timeout, what=f"{pool} idle")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its last report: {last.get('report')}") from None
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +115,7 @@ def stack():
     import ray
     from ray import serve
 
-    from deployments.app import build_app, local_ray_init_kwargs
+    from deployments.app import deploy, start_local_ray
     from deployments.config import load
 
     if not (MODEL / "config.json").exists():
@@ -117,9 +124,9 @@ def stack():
         make_tiny_model(MODEL)
     resolved = load(CONFIG)
     c = resolved.config
-    ray.init(include_dashboard=True, dashboard_port=8275, log_to_driver=False, **local_ray_init_kwargs(c.ray))
+    start_local_ray(c.ray, include_dashboard=True, dashboard_port=8275, log_to_driver=False)
     serve.start(http_options={"host": c.router.host, "port": c.router.port})
-    serve.run(build_app(resolved), name="poolserve", route_prefix="/")
+    deploy(resolved)
     s = Stack(f"http://{c.router.host}:{c.router.port}", f"http://127.0.0.1:{c.ray.metrics_export_port}/metrics",
               "http://127.0.0.1:8275", resolved)
     wait_for(lambda: all(v["replicas"] for v in s.pools().values()), 60, what="first replica reports")

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.integration
 def _replica_actor(deployment: str):
     from ray.util.state import list_actors
 
-    name = f"ServeReplica:poolserve:{deployment}"
-    [a] = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == name]
+    from deployments.app import replica_class
+
+    [a] = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == replica_class(deployment)]
     return a
 
 
@@ -48,39 +50,74 @@ def test_pool_replica_killed_mid_stream(stack):
         stack.admin_client.set_lending("online-chat", True)
 
 
+def _stream(stack, path: str, events: list, started: threading.Event) -> str:
+    """Stream a long completion from `path` into `events`; how it ended."""
+    try:
+        with httpx.stream("POST", f"{stack.base_url}{path}", timeout=120,
+                          headers={"Authorization": f"Bearer {KEYS['batch']}"},
+                          json={"prompt": "a long story", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["x-poolserve-pool"] == "offline-batch"
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        started.set()
+        return "ended"
+    except httpx.RemoteProtocolError:
+        return "broken"
+
+
 def _killed_mid_stream(stack, pool: str) -> None:
+    """Two streams on the pool's replica when it dies: one the replica answers itself (its
+    pool's path), one a router replica relays (the tenant's default pool, `/v1`)."""
     victim = _replica_actor(f"pool-{pool}")
     engines = reaper.engine_children(victim.pid)  # vLLM's engine core, a child of the replica
     assert engines, "no engine process found under the pool replica"
-    events = []
-    with httpx.stream("POST", f"{stack.base_url}/offline/v1/completions", timeout=120,
-                      headers={"Authorization": f"Bearer {KEYS['batch']}"},
-                      json={"prompt": "a long story", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
-        assert r.status_code == 200 and r.headers["x-poolserve-pool"] == pool
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-                if len(events) == 3:
-                    _kill(victim)
-    assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2][6:])
+    direct, relayed = [], []
+    flowing = [threading.Event(), threading.Event()]
+    with ThreadPoolExecutor(2) as ex:
+        ends = [ex.submit(_stream, stack, "/offline/v1/completions", direct, flowing[0]),
+                ex.submit(_stream, stack, "/v1/completions", relayed, flowing[1])]
+        assert all(e.wait(60) for e in flowing), "the streams did not start"
+        _kill(victim)
+        ended = [f.result() for f in ends]
+    # The replica held the client's connection itself: it breaks mid-body (an incomplete chunked
+    # response, an error for every HTTP client), or, when the engine process went first, the
+    # replica ends the stream with vLLM's error event. Never an end that looks whole.
+    if ended[0] == "broken":
+        assert "data: [DONE]" not in direct, direct[-2:]
+    else:
+        assert direct[-1] == "data: [DONE]" and '"error"' in direct[-2], direct[-2:]
+    # a router replica relayed the other: it ends the stream with an error event
+    assert ended[1] == "ended" and relayed[-1] == "data: [DONE]"
+    error = json.loads(relayed[-2][6:])
     assert error["error"]["code"] == "pool_failed" and "incomplete" in error["error"]["message"]
     # the killed replica's engine processes do not outlive it (each holds GBs of KV cache and a core)
     wait_for(lambda: not any(reaper.alive(*e) for e in engines), 30, what="the engine processes to stop")
 
-    answers = []  # while the replacement starts, requests get a fast refusal with Retry-After, never a hang
+    # While the replacement starts: through a router replica, a fast refusal with Retry-After;
+    # on the pool's own path, Serve's entry holds the request for the replacement (no replica of
+    # the pool is there to refuse it), which then answers it: never a hang, never a bare error.
+    answers = []
 
-    def served():
+    def served(path: str):
         t0 = time.monotonic()
-        r = httpx.post(f"{stack.base_url}/offline/v1/completions", headers={"Authorization": f"Bearer {KEYS['batch']}"},
-                       json={"prompt": "after the crash", "max_tokens": 4}, timeout=60)
-        answers.append((r.status_code, r.headers.get("retry-after"), time.monotonic() - t0, r.text[:200]))
-        return r.status_code == 200
-    wait_for(served, 300, interval=3, what="a replacement replica to serve")
-    print(f"\nduring the restart: {[(s, ra, round(t, 1)) for s, ra, t, _ in answers]}")
-    for status, retry_after, took, text in answers[:-1]:
+        try:
+            r = httpx.post(f"{stack.base_url}{path}", headers={"Authorization": f"Bearer {KEYS['batch']}"},
+                           json={"prompt": "after the crash", "max_tokens": 4}, timeout=60)
+            answers.append((path, r.status_code, r.headers.get("retry-after"), time.monotonic() - t0, r.text[:200]))
+            return r.status_code == 200
+        except httpx.HTTPError as e:
+            answers.append((path, 0, None, time.monotonic() - t0, repr(e)))
+            return False
+    wait_for(lambda: served("/v1/completions") & served("/offline/v1/completions"), 300, interval=3,
+             what="a replacement replica to serve")
+    print(f"\nduring the restart: {[(p, s, ra, round(t, 1), x[:80]) for p, s, ra, t, x in answers]}")
+    for path, status, retry_after, took, text in answers[:-2]:
+        if path == "/offline/v1/completions" and status == 200:
+            continue  # held until the replacement answered it
         # 503 once the dead replica's reports are stale; 429 pool_busy in the seconds before that
-        assert (status, retry_after is not None) in ((503, True), (429, True)), (status, text)
+        assert (status, retry_after is not None) in ((503, True), (429, True)), (path, status, text)
         assert "pool_unavailable" in text or "pool_busy" in text, text
         assert took < stack.resolved.config.router.reach_timeout_s + 10
     assert _replica_actor(f"pool-{pool}").actor_id != victim.actor_id
@@ -90,17 +127,19 @@ def _killed_mid_stream(stack, pool: str) -> None:
 
 @pytest.mark.disruptive
 def test_router_replica_killed(stack):
+    """The pools answer their own paths: while the router replica is gone, chat goes on; the
+    router's own paths come back with its replacement."""
     victim = _replica_actor("router")
     _kill(victim)
 
-    def served():
+    def ask(path: str) -> int:
         try:
-            r = httpx.post(f"{stack.base_url}/online/v1/completions", timeout=30,
-                           headers={"Authorization": f"Bearer {KEYS['chat']}"}, json={"prompt": "x", "max_tokens": 2})
-            return r.status_code == 200
+            return httpx.post(f"{stack.base_url}{path}", timeout=30, headers={"Authorization": f"Bearer {KEYS['chat']}"},
+                              json={"prompt": "x", "max_tokens": 2}).status_code
         except httpx.HTTPError:
-            return False
-    wait_for(served, 180, interval=2, what="a new router replica")
+            return 0
+    assert [ask("/online/v1/completions") for _ in range(3)] == [200] * 3
+    wait_for(lambda: ask("/v1/completions") == 200, 180, interval=2, what="a new router replica")
     assert _replica_actor("router").actor_id != victim.actor_id
 
 

@@ -156,7 +156,7 @@ def _replicas() -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any("ServeReplica:poolserve:" in part for part in p.info["cmdline"] or ()):
+            if any("ServeReplica:poolserve" in part for part in p.info["cmdline"] or ()):
                 out.append(p)
     return out
 

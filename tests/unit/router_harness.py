@@ -138,5 +138,14 @@ def client(router: Endpoints) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
 
 
+def scope(path: str, tenant: str) -> dict:
+    """An ASGI HTTP scope of a POST to `path` with tenant's key, for driving an app by hand."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"authorization", f"Bearer key-{tenant}".encode()),
+                                         (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("router", 80)}
+
+
 def auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer key-{tenant}"}

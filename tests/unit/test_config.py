@@ -243,5 +243,5 @@ def test_internal_access_logs_follow_the_config(model_dir, on):
     data["ray"] = {"access_logs": on}
     data["batches"] = {"dir": "batches", "pool": "offline-batch"}
     r = check(data, model_dir)
-    for app in (build_controller(r), build_ledger(r), build_batches(r)):
+    for app in (build_controller(r, "poolserve"), build_ledger(r), build_batches(r)):
         assert app._bound_deployment.logging_config["enable_access_log"] is on

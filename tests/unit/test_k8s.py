@@ -89,18 +89,31 @@ def test_rayservice_shape():
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     for c in [head] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
         assert {"name": "RAY_worker_niceness", "value": "0"} in c["env"]  # not Ray's 15
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in c["env"]  # `ray.haproxy`, on every node
 
 
 def test_serve_config_parses_with_our_models_and_its_import_path_resolves():
+    """One application at / (the control one) and one per pool at its prefix, named as the
+    pools' and the router's look-ups expect them (`deployments.app.build_apps`)."""
+    from deployments.app import pool_app_name
+
     serve_config = yaml.safe_load(_service()["spec"]["serveConfigV2"])
-    [app] = serve_config["applications"]
-    module, attr = app["import_path"].split(":")
-    assert callable(getattr(importlib.import_module(module), attr))
-    config = parse(app["args"]["config"], "serveConfigV2")
-    base = app["args"]["base_dir"].replace("/home/ray/poolserve", str(REPO))
-    resolved = resolve(config, Path(base))
-    assert set(resolved.pools) == {"online-chat", "offline-batch"}
-    assert all(rp.config.engine.accelerator == "gpu" for rp in resolved.pools.values())
+    apps = {a["args"]["part"]: a for a in serve_config["applications"]}
+    assert set(apps) == {"control", "online-chat", "offline-batch"}
+    for part, app in apps.items():
+        module, attr = app["import_path"].split(":")
+        assert callable(getattr(importlib.import_module(module), attr))
+        config = parse(app["args"]["config"], "serveConfigV2")
+        base = app["args"]["base_dir"].replace("/home/ray/poolserve", str(REPO))
+        resolved = resolve(config, Path(base))
+        assert set(resolved.pools) == {"online-chat", "offline-batch"}
+        assert all(rp.config.engine.accelerator == "gpu" for rp in resolved.pools.values())
+        control = app["args"]["name"]
+        if part == "control":
+            assert (app["name"], app["route_prefix"]) == (control, "/")
+        else:
+            assert (app["name"], app["route_prefix"]) == (pool_app_name(part, control),
+                                                          resolved.pools[part].config.route_prefix)
 
 
 def test_committed_manifests_equal_render_output():

@@ -10,7 +10,7 @@ import time
 from pools.control import PoolView
 from router.ingress import make_app
 from router.quota import Quota
-from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router
+from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router, scope
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -85,8 +85,8 @@ def test_a_slow_body_times_out_and_holds_a_concurrency_slot_meanwhile():
         async def send(message):
             messages.append(message)
 
-        scope = _scope("/p/v1/chat/completions", "a")
-        slow = asyncio.get_running_loop().create_task(app(scope, receive, send))
+        asgi_scope = scope("/p/v1/chat/completions", "a")
+        slow = asyncio.get_running_loop().create_task(app(asgi_scope, receive, send))
         await asyncio.sleep(0.05)
         async with client(router) as c:
             second = await c.post("/p/v1/chat/completions", json=CHAT, headers=auth("a"))
@@ -161,14 +161,6 @@ def test_borrowing_stops_while_the_controllers_view_is_stale():
     assert len(plan) == 1 and not plan[0].borrowed
 
 
-def _scope(path: str, tenant: str) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "headers": [(b"authorization", f"Bearer key-{tenant}".encode()),
-                                         (b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1), "server": ("router", 80)}
-
-
 def _request(body: dict, tenant: str):
     from starlette.requests import Request
 
@@ -181,7 +173,7 @@ def _request(body: dict, tenant: str):
         done.append(1)
         return {"type": "http.request", "body": raw, "more_body": False}
 
-    return Request(_scope("/p/v1/chat/completions", tenant), receive)
+    return Request(scope("/p/v1/chat/completions", tenant), receive)
 
 
 def test_the_quota_is_synced_by_one_loop():
