@@ -72,7 +72,11 @@ class Settlement:
         return ", ".join(parts)
 
     def fail(self, error: ApiError) -> ApiError:
+        """The request ends with `error`: a pool stream it stopped reading is cancelled (the
+        pool's generator may sit at a `yield`, holding its slot, with nobody to read on)."""
         self.status = error.status
+        if self.stream is not None:
+            self.stream.cancel()
         self.close()
         return error
 

@@ -44,7 +44,16 @@ class TickEngine(FakeEngine):
 
     def generate(self, call):
         self.calls += 1
+        if getattr(call.body, "prompt", None) == "refuse":
+            return self._error()
         return self._ticks(call.body)
+
+    async def _error(self):
+        """What vLLM's OpenAI layer answers when it gives up on a request (a client that left,
+        bad input it found late): an error response in place of the answer."""
+        await asyncio.sleep(0)
+        yield SimpleNamespace(error=SimpleNamespace(message="Client disconnected", code=400, type="BadRequest"))
+        await asyncio.sleep(0)
 
     async def _ticks(self, body):
         for i in range(body.max_tokens):
@@ -259,3 +268,23 @@ def test_a_local_stream_is_closed_only_where_closing_is_safe():
 
     first, second, last = asyncio.run(go())
     assert first == ["closed"] and second == ["closed"] and last == ["closed", "closed"]
+
+
+def test_an_answer_refused_by_the_engine_frees_its_slot_at_once():
+    """The engine's first item was an error (vLLM answers a request it gave up on with one): the
+    route answers with it and stops reading the pool's stream, which sits at a `yield` in this
+    process. The route closes it: the slot is back at once, not whenever the garbage collector
+    finds the stream."""
+    async def go():
+        ingress, _ = await make_ingress()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=http_app(ingress)), base_url="http://p") as c:
+            r = await c.post("/v1/completions", headers=auth("b"), json={"prompt": "refuse", "max_tokens": 3})
+        for _ in range(3):
+            await asyncio.sleep(0)
+        stats = ingress._gate.gate.stats()
+        await ingress.close()
+        return r, stats
+
+    r, stats = asyncio.run(go())
+    assert r.status_code == 400 and "Client disconnected" in r.json()["error"]["message"]
+    assert stats.active == 0 and stats.admitted == stats.completed == 1
