@@ -40,10 +40,12 @@ class RayConfig(Frozen):
                                     "engines). Ray's own default, 15, ranks the whole serving path below any "
                                     "ordinary process on the host; a pool's `replicas.nice` counts from this.")
     haproxy: bool = Field(
-        True, description="Serve's HTTP entry is HAProxy (Ray Serve's direct ingress) instead of its Python "
-                          "proxy: each pool replica and router replica serves HTTP itself and HAProxy routes to "
-                          "it by path, one process less on every request. A cluster poolserve joins keeps its "
-                          "own setting (`RAY_SERVE_ENABLE_HA_PROXY=1` where `ray start` runs).")
+        False, description="Serve's HTTP entry is HAProxy (Ray Serve's direct ingress) instead of its Python "
+                           "proxy: one process less on every request (bench/notes.md measured the gain). Off by "
+                           "default: in Ray 2.60 HAProxy does not pass a client's disconnect on to the replica, so "
+                           "an abandoned request runs to its end, and after a burst of abandoned requests it spun "
+                           "at full CPU until they finished. A cluster poolserve joins keeps its own setting "
+                           "(`RAY_SERVE_ENABLE_HA_PROXY=1` where `ray start` runs).")
 
 
 class ProfilesConfig(Frozen):

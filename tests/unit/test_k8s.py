@@ -89,7 +89,7 @@ def test_rayservice_shape():
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     for c in [head] + [g["template"]["spec"]["containers"][0] for g in groups.values()]:
         assert {"name": "RAY_worker_niceness", "value": "0"} in c["env"]  # not Ray's 15
-        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in c["env"]  # `ray.haproxy`, on every node
+        assert not any(e["name"] == "RAY_SERVE_ENABLE_HA_PROXY" for e in c["env"])  # `ray.haproxy` is off
 
 
 def test_serve_config_parses_with_our_models_and_its_import_path_resolves():
@@ -260,3 +260,15 @@ def test_the_example_secret_holds_only_placeholders_that_validation_refuses():
 
     secret = yaml.safe_load((K8S / "secret-example.yaml").read_text())
     assert all(v in SHIPPED_KEYS or v == "hf_CHANGE-ME" for v in secret["stringData"].values()), secret
+
+
+def test_haproxy_reaches_every_pod_when_the_config_asks_for_it():
+    from deployments.k8s import RenderSettings, rayservice
+
+    config = yaml.safe_load(CONFIG.read_text())
+    config.setdefault("ray", {})["haproxy"] = True
+    spec = rayservice(config, RenderSettings())["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for pod in pods:
+        [c] = pod["template"]["spec"]["containers"]
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in c["env"]
