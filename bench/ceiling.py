@@ -21,7 +21,8 @@ concurrency CEILING_CONCURRENCY, against one engine on core 1 with 64 sequences,
 tokens and 1 GiB of KV cache: vLLM's offline `LLM.generate` (the raw engine), vLLM's own
 OpenAI server, poolserve's offline pool pinned at 64, and stock ray.serve.llm with one
 LLMConfig; a batch job (`deployments.batch_job`) through poolserve's offline pool; and TTFT
-at concurrency 1 against poolserve's online pool and the bare server.
+at concurrency 1 against poolserve's online pool and the bare server. Every set-up runs on
+the same Ray, with Serve's HTTP entry as the embedded default sets it (`ray.haproxy`).
 
 Raw data of every round goes to bench/results/raw/<run>/: each request's timings (the load
 generator's JSON lines, `vllm bench serve --save-detailed`), the CPU seconds of every process by
@@ -332,7 +333,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             procs.wait_quiet(quiet)
             roles = procs.snapshot().roles
             pids = {role.split(":")[-1]: pid for pid, role in roles.items()
-                    if role in ("replica poolserve:router", "replica poolserve:pool-offline-batch", "HTTP proxy")}
+                    if role in ("replica poolserve-offline-batch:pool-offline-batch", "HTTP proxy")}
             step(f"profiling {sorted(pids)}")
             spy = threading.Thread(target=lambda: out.__setitem__(
                 "profiles", {k: str(v.relative_to(REPO)) for k, v in profile(pids, 15, raw / "profile").items()}))

@@ -37,6 +37,12 @@ def role(title: str) -> str:
         return "engine worker"
     if title.startswith("ray::ProxyActor"):
         return "HTTP proxy"
+    if "haproxy" in title.split()[0] or title.startswith("ray::HAProxyManager"):
+        return "HTTP proxy (HAProxy)"
+    if "vllm.entrypoints.openai.api_server" in title:
+        return "vLLM API server"
+    if any(client in title for client in ("bench.vllm_bench", "infra.loadgen", "deployments.batch_job")):
+        return "client"
     if title.startswith("ray::ServeReplica:"):
         deployment = title.split()[0].split(":", 3)[-1].split(".")[0]
         return f"replica {deployment}"

@@ -102,6 +102,27 @@ def _ceiling(d: dict) -> list[str]:
             f"({d.get('ceiling_order')}):", "", *lines, ""]
 
 
+def _serving(d: dict, raw: Path) -> list[str]:
+    """poolserve's serving processes at the ceiling, CPU s per 1,000 output tokens by process:
+    this run against the reference run before the pools answered their own HTTP."""
+    before = [verdicts.serving_cpu(r["cpu_s_per_1k_tokens"]) for r in verdicts.before_rounds(raw)]
+    now = [verdicts.serving_cpu(r["cpu_s_per_1k_tokens"]) for r in d["ceiling"]
+           if r["path"] == "poolserve" and "cpu_s_per_1k_tokens" in r]
+    if not before or not now:
+        return []
+    roles = sorted({k for p in before + now for k in p}, key=lambda k: -max(
+        mean(p.get(k, 0.0) for p in before), mean(p.get(k, 0.0) for p in now)))
+    lines = [f"poolserve's serving processes at the ceiling, CPU seconds per 1,000 output tokens (mean [range] of "
+             f"the rounds), before the pools answered their own HTTP (run {verdicts.BEFORE}) and now:", "",
+             "| process | before | now |", "|---|---:|---:|"]
+    for role in roles:
+        lines.append(f"| {role} | {_spread([p.get(role, 0.0) for p in before], 3)} | "
+                     f"{_spread([p.get(role, 0.0) for p in now], 3)} |")
+    lines.append(f"| all of them | {_spread([sum(p.values()) for p in before], 3)} | "
+                 f"{_spread([sum(p.values()) for p in now], 3)} |")
+    return [*lines, ""]
+
+
 def _targets(d: dict, raw: Path) -> list[str]:
     found = verdicts.findings(d, raw)
     if not found:
@@ -121,4 +142,4 @@ def ceiling_section(d: dict, machine: str, raw: Path | None = None) -> list[str]
             "Every serving path against the bare engine at the ceiling (this run had no flood rounds).")
     return ["## Where the time and the CPU go (`bench/ceiling.py`)", "",
             f"{what} Raw per-request data: `bench/results/raw/{d['run']}/`. Whole run {d['wall_s']:.0f} s. {machine}",
-            "", *(_targets(d, raw) if raw else []), *_flood(d), *_ceiling(d)]
+            "", *(_targets(d, raw) if raw else []), *_flood(d), *_ceiling(d), *(_serving(d, raw) if raw else [])]

@@ -22,6 +22,10 @@ from infra.results import ttfts_with_timeouts
 
 MIN_RUNS = 2
 OURS, STOCK = "poolserve", "stock-two-pools"
+# The ceiling rounds of the code before the pools answered their own HTTP (commit 78ede34: router
+# in front, Serve's Python proxy), `--rounds 0 --ceiling-rounds 2`: what "today's" serving CPU
+# was. Only its record is kept; bench/notes.md says when and where it ran.
+BEFORE = "20261202-before"
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,32 @@ def _ceiling(d: dict, raw: Path) -> list[Finding]:
            for name, a, b, bound in pairs]
     out.append(_judge(Target("concurrency 1: TTFT P50, poolserve / vLLM's server", 1.2, "lower"),
                       c1.get("poolserve", []), c1.get("vllm-server", []), intervals.p50))
+    cpu = [[sum(serving_cpu(r["cpu_s_per_1k_tokens"]).values())] for r in d["ceiling"]
+           if r["path"] == OURS and "cpu_s_per_1k_tokens" in r]
+    out.append(_judge(Target(f"ceiling: CPU s per 1,000 output tokens of the serving processes, poolserve / "
+                             f"poolserve before (run {BEFORE})", 0.5, "lower"), cpu, _before_cpu(raw), intervals.mean))
     return out
+
+
+def serving_cpu(cpu_s_per_1k: dict[str, float]) -> dict[str, float]:
+    """The serving processes of poolserve at the ceiling: everything on its request path and
+    behind it but the engines (Serve's HTTP entry, poolserve's replicas, the Serve controller,
+    Ray's daemons); not the client, nor the idle replicas of the other set-ups."""
+    keep = ("HTTP proxy", "Serve controller", "Ray daemons", "replica poolserve")
+    return {k: v for k, v in cpu_s_per_1k.items() if k.startswith(keep)}
+
+
+def before_rounds(raw: Path) -> list[dict]:
+    """poolserve's ceiling rounds of the reference run before this change (none if it is not
+    beside `raw`)."""
+    path = raw.parent / BEFORE / "partial.json"
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text())["ceiling"] if r["path"] == OURS]
+
+
+def _before_cpu(raw: Path) -> list[list[float]]:
+    return [[sum(serving_cpu(r["cpu_s_per_1k_tokens"]).values())] for r in before_rounds(raw)]
 
 
 def findings(d: dict, raw: Path) -> list[Finding]:
