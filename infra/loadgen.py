@@ -33,6 +33,7 @@ import asyncio
 import gzip
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -365,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                     extra_body=a.body)
     window = Window(a.warmup, a.duration)
     if a.concurrency:
-        run = asyncio.run(closed_loop(target, a.concurrency, lengths, window, a.seed, max_requests=a.requests,
-                                      abandon=a.abandon))
+        async def closed() -> Run:
+            stop = asyncio.Event()  # SIGTERM: send nothing more, finish what runs, report
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            return await closed_loop(target, a.concurrency, lengths, window, a.seed, max_requests=a.requests,
+                                     abandon=a.abandon, stop=stop)
+        run = asyncio.run(closed())
     else:
         run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
                                     seed=a.seed, timeout_s=a.timeout, drain_s=a.drain))
