@@ -1,4 +1,4 @@
-"""The autoscaler's decision: move a pool's batch limit one ladder step, or hold.
+"""The autoscaler's decision: move a pool's batch limit along its ladder, or hold.
 
     decide(snapshot, state, config, now) -> (max_active_seqs, state, reason)
 
@@ -15,7 +15,10 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      ticks while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
-     change the other way; it is one ladder step and never leaves the range;
+     change the other way; it never leaves the range. Down is one ladder step. Up is at
+     least one step, and as far as the step that holds every sequence running and waiting
+     (per replica): a load step met one step per cooldown left a backlog that a benchmark's
+     high phase never drained (bench/notes.md), where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
      evidence was measured at the current limit and not the one before;
@@ -129,6 +132,17 @@ def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
     return next((s for s in reversed(steps) if s < current), current)
 
 
+def demand(snap: PoolSnapshot) -> int:
+    """Sequences per replica the pool would run if nothing waited: running plus queued."""
+    return -(-(snap.active + snap.queued) // max(1, snap.replicas))
+
+
+def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:
+    """The next step up, or further: the smallest step that holds `wanted` (the top at most)."""
+    holds = next((s for s in steps if s >= wanted), steps[-1])
+    return max(_step(steps, current, +1), holds)
+
+
 def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preempts: int,
               queue_ticks: int) -> tuple[int, str, str]:
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
@@ -184,7 +198,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None
-    nxt = _step(steps, state.target, direction)
+    nxt = _up_to(steps, state.target, demand(snap)) if direction > 0 else _step(steps, state.target, direction)
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
         return state.target, state, Reason("hold", "range_edge", f"at the {edge} of the safe range: {why}")
@@ -207,4 +221,6 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0)
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
+    if direction > 0 and nxt != _step(steps, state.target, +1):
+        why += f"; to {nxt}, which holds the {demand(snap)} sequences running and waiting per replica"
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoscale.config import AutoscaleConfig
 from autoscale.controller import Controller, PoolSpec
@@ -43,6 +45,12 @@ CASES = [
     ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
      "preemption"),
     ("queue for one tick waits", snap(queued=5), PolicyState(8), 8, "hold", "idle"),
+    ("a queue deeper than the next step goes to the step that holds it", snap(queued=3, active=2),
+     PolicyState(2, queue_ticks=1), 8, "up", "queue"),
+    ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
+     "up", "queue"),
+    ("demand is per replica", snap(queued=10, active=4, replicas=2), PolicyState(2, queue_ticks=1), 8, "up",
+     "queue"),
     ("queue persisting steps up", snap(queued=5), PolicyState(8, queue_ticks=1), 16, "up", "queue"),
     ("rejections step up", snap(rejected_total=10), PolicyState(8, seen_rejected=4), 16, "up", "rejections"),
     ("queue but latency in the band holds", snap(queued=5, ttft_p99_s=0.8), PolicyState(8, queue_ticks=3), 8,
@@ -75,6 +83,28 @@ CASES = [
 def test_decision_table(name, snapshot, state, target, action, code):
     new, _, reason = decide(snapshot, state, CFG, NOW)
     assert (new, reason.action, reason.code) == (target, action, code), reason.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(target=st.sampled_from(RANGE.ladder[:-1]), queued=st.integers(0, 500), active=st.integers(0, 64),
+       replicas=st.integers(1, 4), ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3),
+       kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5), since=st.one_of(st.none(), st.floats(0, 200)))
+def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_the_demand(
+        target, queued, active, replicas, ttft, tpot, kv, ticks, since):
+    s = snap(queued=queued, active=active, replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
+    state = PolicyState(target, queue_ticks=ticks, last_change_at=None if since is None else NOW - since,
+                        last_direction=0 if since is None else 1)
+    new, _, reason = decide(s, state, CFG, NOW)
+    assert new in RANGE.steps
+    if RANGE.low <= target <= RANGE.high:
+        wanted = -(-(queued + active) // replicas)
+        if reason.action == "up":
+            nxt = next(x for x in RANGE.steps if x > target)
+            assert new == max(nxt, next((x for x in RANGE.steps if x >= wanted), RANGE.high))
+        elif reason.action == "down":
+            assert new == max(x for x in RANGE.steps if x < target)  # down is always one step
+        else:
+            assert new == target
 
 
 def test_square_wave_over_1000_ticks_respects_cooldown_and_range():
@@ -219,13 +249,26 @@ def test_controller_adopts_reported_limits_and_steps_up_under_a_queue():
     assert c.report(stats(seqs=4)).limits.max_active_seqs == 4
     for _ in range(6):
         clock.t += 5
-        c.report(stats(seqs=4, queued=20))
+        c.report(stats(seqs=4, queued=3))  # 7 sequences wanted: the next step holds them
         c.tick()
     assert c.target("p") == 8
-    assert c.report(stats(seqs=4, queued=20)).limits.max_active_seqs == 8
+    assert c.report(stats(seqs=4, queued=3)).limits.max_active_seqs == 8
     moves = [d for d in c.decisions() if d.old != d.new]
     assert [d.new for d in moves] == [8] and moves[0].time == 30  # cooldown_s and latency_window_s: 30 s
     assert {d.code for d in c.decisions() if 10 <= d.time < 30} == {"cooldown"}  # the queue persisted from 10 s
+
+
+def test_the_controller_meets_a_load_step_in_one_move():
+    """From the bottom, a queue of 40 waits out the cooldown once and then goes straight to the
+    step that holds it, not one step per cooldown."""
+    c, clock = controller()
+    c.report(stats(seqs=2))
+    for _ in range(8):
+        clock.t += 5
+        c.report(stats(seqs=2, queued=40))
+        c.tick()
+    moves = [d for d in c.decisions() if d.old != d.new]
+    assert [(d.old, d.new) for d in moves] == [(2, 16)] and "holds the 42 sequences" in moves[0].reason
 
 
 def test_a_restarted_controller_does_not_act_on_latency_from_before_it():
