@@ -1,94 +1,121 @@
-"""Autoscaler benchmark: one load step (low, high, low) on the online pool, run three ways
-in one go: autoscaled, static at the safe range's low end, static at its high end.
+"""Autoscaler benchmark: one load step (low, high, low) on the online pool, three ways: autoscaled
+from the bottom of its safe range, static at the range's low end, static at its high end.
 
-Online chat arrives as Poisson streams with the trace's lengths, from its own process, one
-process per phase. Per phase and way: goodput under
-the pool's SLO and P99 TTFT, plus the limits the pool ran at. The autoscaler runs with the
-embedded default's cadence (2 s ticks, 10 s cooldown).
+Each way runs RUNS times, the ways interleaved in a shuffled order (the seed is recorded); the
+k-th run of every way replays the same arrival schedule. The phases follow one another without
+a gap (each phase is a Poisson stream with the trace's lengths, from its own process, started
+when the one before ends its window), so the autoscaled way meets the step as a user's traffic
+would bring it. Every request's timings go to bench/results/raw/<run>/, and the figures, their
+95% intervals and the verdicts are computed from there (`bench.verdicts.autoscale_findings`).
+The autoscaler runs with the embedded default's cadence (2 s ticks, 10 s cooldown).
 
-    python -m bench.autoscale       # about 5 minutes; writes bench/results/autoscale.json
+    python -m bench.autoscale [--runs 3] [--seed 0]    # about 13 minutes with 3 runs
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 import subprocess
 import sys
 import threading
+import time
 
-from bench.common import KEYS, REPO, deploy, local_config, ray_cluster, write_result
+from bench.common import KEYS, REPO, RESULTS, deploy, local_config, ray_cluster, write_result
 
 POOL = "online-chat"
-PHASES = (("low", 1.0, 6), ("high", 5.0, 20), ("low-again", 1.0, 6))  # (name, req/s, seconds)
+PHASES = (("low", 1.0, 15), ("high", 5.0, 40), ("low-again", 1.0, 15))  # (name, req/s, seconds)
+WAYS = ("autoscaled", "static-low", "static-high")
 TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the backlog of a limit too low)
 DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at its wait so far)
 
 
-def _phase(rate: float, seconds: float, slo, seed: int) -> dict:
-    out = subprocess.run(
+def _phase(rate: float, seconds: float, seed: int, raw: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "infra.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
          "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
-         "--ttft-slo-ms", str(slo.ttft_p99_ms), "--tpot-slo-ms", str(slo.tpot_p99_ms), "--timeout", str(TIMEOUT_S),
-         "--drain", str(DRAIN_S)],
-        cwd=REPO, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+         "--timeout", str(TIMEOUT_S), "--drain", str(DRAIN_S), "--raw", raw],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _limits_while(stack, stop: threading.Event, trace: list) -> None:
+def _limits_while(stack, stop: threading.Event, trace: list, t0: float) -> None:
     while not stop.is_set():
         try:
-            trace.append(stack.admin.pool(POOL).replicas[0].limits.max_active_seqs)
+            trace.append([round(time.monotonic() - t0, 1), stack.admin.pool(POOL).replicas[0].limits.max_active_seqs])
         except Exception:  # a missed sample is not a result
             pass
         stop.wait(1.0)
 
 
-def _way(stack, name: str, seqs: int | None, start: int, slo) -> dict:
-    stack.wait(lambda: stack.idle(POOL), 300)  # nothing left over from the way before
-    # static ways stay pinned; the autoscaled way starts at the pool's configured start
-    stack.admin.pin(POOL, seqs if seqs is not None else start)
-    if seqs is None:
-        stack.admin.unpin(POOL)
-    phases = {}
-    for i, (phase, rate, seconds) in enumerate(PHASES):
-        stop, trace = threading.Event(), []
-        sampler = threading.Thread(target=_limits_while, args=(stack, stop, trace))
-        sampler.start()
-        r = _phase(rate, seconds, slo, seed=i)
+def way_run(stack, way: str, low: int, high: int, repetition: int, raw_prefix: str) -> dict:
+    """One pass of the load step with the pool `way` (autoscaled from `low`, or pinned)."""
+    stack.wait(lambda: stack.idle(POOL), 300)  # nothing left over from the run before
+    stack.admin.pin(POOL, high if way == "static-high" else low)
+    if way == "autoscaled":
+        stack.admin.unpin(POOL)  # the autoscaler resumes from the pinned value: the bottom
+    wall, t0, stop, trace = time.time(), time.monotonic(), threading.Event(), []
+    sampler = threading.Thread(target=_limits_while, args=(stack, stop, trace, t0))
+    sampler.start()
+    procs, at = [], t0
+    try:
+        for i, (phase, rate, seconds) in enumerate(PHASES):
+            time.sleep(max(0.0, at - time.monotonic()))
+            procs.append(_phase(rate, seconds, 100 * repetition + i, f"{raw_prefix}-{phase}.jsonl.gz"))
+            at += seconds
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"load generator failed: {err[-2000:]}")
+    finally:
         stop.set()
         sampler.join()
-        phases[phase] = {"rate_req_s": rate, "seconds": seconds, "goodput_req_s": r["goodput_req_per_s"],
-                         "ttft_p99_ms": r["ttft_ms_with_timeouts"]["p99"],
-                         "ttft_p50_ms": r["ttft_ms_with_timeouts"]["p50"], "timeouts": r["timeouts"],
-                         "tpot_p99_ms": r["tpot_ms"]["p99"], "completed": r["completed"], "requests": r["requests"],
-                         "limit_min": min(trace, default=None), "limit_max": max(trace, default=None)}
-        print(f"{name:12} {phase:10} goodput {r['goodput_req_per_s']:.2f} req/s, P99 TTFT "
-              f"{phases[phase]['ttft_p99_ms']:.0f} ms, limit {phases[phase]['limit_min']}..{phases[phase]['limit_max']}",
-              flush=True)
-    stack.admin.unpin(POOL)
-    return phases
+    moves = [{k: getattr(d, k) for k in ("old", "new", "action", "code", "reason")} | {"at_s": round(d.time - wall, 1)}
+             for d in stack.admin.decisions(500) if d.pool == POOL and d.time >= wall and d.old != d.new
+             and d.action != "pin"]
+    return {"limits": trace, "moves": moves}
 
 
-def run(stack) -> dict:
+def run(stack, runs: int = 3, seed: int = 0) -> dict:
     rp = stack.resolved.pools[POOL]
-    low, high, slo = rp.safe_range.low, rp.safe_range.high, rp.config.slo
-    ways = {f"autoscaled-from-{rp.start_seqs}": _way(stack, "autoscaled", None, rp.start_seqs, slo),
-            f"static-low-{low}": _way(stack, "static-low", low, low, slo),
-            f"static-high-{high}": _way(stack, "static-high", high, low, slo)}
-    decisions = [d.model_dump() for d in stack.admin.decisions(500) if d.pool == POOL and d.old != d.new]
-    a = stack.resolved.config.autoscale
+    low, high = rp.safe_range.low, rp.safe_range.high
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-autoscale"
+    raw = RESULTS / "raw" / run_id
+    raw.mkdir(parents=True, exist_ok=True)
+    order = [w for _ in range(runs) for w in WAYS]
+    random.Random(seed).shuffle(order)
+    done: dict[str, int] = {}
+    rounds = []
+    for i, way in enumerate(order):
+        k = done[way] = done.get(way, -1) + 1
+        r = way_run(stack, way, low, high, k, str(raw / f"{i:02d}-{way}"))
+        rounds.append({"round": i, "way": way, "repetition": k, **r})
+        limits = [v for _, v in r["limits"]]
+        print(f"round {i}: {way} (run {k}), limit {min(limits, default=None)}..{max(limits, default=None)}, "
+              f"{len(r['moves'])} moves", flush=True)
+    stack.admin.unpin(POOL)
+    a, slo = stack.resolved.config.autoscale, rp.config.slo
     return {
-        "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES],
-                  "timeout_s": TIMEOUT_S, "drain_s": DRAIN_S,
-                  "slo": slo.model_dump(), "lengths": "azure 2023 trace, scaled",
+        "run": run_id, "seed": seed, "order": order,
+        "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES], "runs": runs,
+                  "timeout_s": TIMEOUT_S, "drain_s": DRAIN_S, "slo": slo.model_dump(),
+                  "lengths": "azure 2023 trace, scaled",
                   "autoscale": {"interval_s": a.interval_s, "cooldown_s": a.cooldown_s,
-                                "reversal_cooldown_s": a.reversal_cooldown_s}},
-        "ways": ways,
-        "autoscaler_moves": [{k: d[k] for k in ("old", "new", "action", "code", "reason")} for d in decisions],
+                                "reversal_cooldown_s": a.reversal_cooldown_s, "latency_window_s": a.latency_window_s}},
+        "rounds": rounds,
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.autoscale")
+    p.add_argument("--runs", type=int, default=3, help="runs of each way")
+    p.add_argument("--seed", type=int, default=0, help="seeds the order of the ways")
+    a = p.parse_args(argv)
     with ray_cluster():
-        result = run(deploy(local_config()))
+        result = run(deploy(local_config()), a.runs, a.seed)
     write_result("autoscale", result)
+    print(json.dumps(result["order"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ a busy fraction) is a run of one value, so it is resampled over runs only.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -72,8 +73,13 @@ def ratio(ours: Runs, theirs: Runs, stat: Stat, seed: int = 0, draws: int = DRAW
     _check(ours)
     _check(theirs)
     rng = random.Random(seed)
-    value = stat([x for r in ours for x in r]) / stat([x for r in theirs for x in r])
-    return _bounds([stat(_draw(ours, rng)) / stat(_draw(theirs, rng)) for _ in range(draws)], value)
+    value = _div(stat([x for r in ours for x in r]), stat([x for r in theirs for x in r]))
+    return _bounds([_div(stat(_draw(ours, rng)), stat(_draw(theirs, rng))) for _ in range(draws)], value)
+
+
+def _div(a: float, b: float) -> float:
+    """a / b, where a draw with nothing on the other side (b = 0) is an unbounded ratio."""
+    return a / b if b else (math.inf if a > 0 else 1.0)
 
 
 def verdict(iv: Interval, bound: float, better: Literal["lower", "higher"]) -> Verdict:

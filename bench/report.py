@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench import verdicts
 from bench.common import REPO, RESULTS
 from bench.report_ceiling import ceiling_section
 
@@ -61,20 +62,23 @@ def plot_autoscale(d: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ways = list(d["ways"])
-    phases = list(next(iter(d["ways"].values())))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    figures = verdicts.autoscale_figures(d, RESULTS / "raw" / d["run"])
+    ways, phases = list(figures), [p for p, _, _ in d["setup"]["phases"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(ways)
-    for k, w in enumerate(ways):
-        xs = [i + (k - (len(ways) - 1) / 2) * width for i in range(len(phases))]
-        a.bar(xs, [d["ways"][w][p]["goodput_req_s"] for p in phases], width, label=w)
-        b.bar(xs, [d["ways"][w][p]["ttft_p99_ms"] for p in phases], width, label=w)
-    for ax, label in ((a, "goodput (req/s within SLO)"), (b, "online P99 TTFT (ms, log)")):
+    for ax, metric, label in ((axes[0], "goodput", "requests within SLO (share of sent)"),
+                              (axes[1], "P99 TTFT", "online P99 TTFT (ms, log)")):
+        for k, w in enumerate(ways):
+            ivs = [figures[w][p][metric] for p in phases]
+            xs = [i + (k - (len(ways) - 1) / 2) * width for i in range(len(phases))]
+            values = [iv.value if iv else 0.0 for iv in ivs]
+            errs = [[iv.value - iv.lo if iv else 0.0 for iv in ivs], [iv.hi - iv.value if iv else 0.0 for iv in ivs]]
+            ax.bar(xs, values, width, yerr=errs, capsize=3, label=w)
         ax.set_xticks(range(len(phases)), phases)
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    b.set_yscale("log")
-    fig.suptitle("Load step low -> high -> low on the online pool")
+    axes[1].set_yscale("log")
+    fig.suptitle(f"Load step on the online pool, {d['setup']['runs']} runs a way (bars: 95% intervals)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -114,25 +118,46 @@ def _steps(steps: dict | None) -> list[str]:
 
 
 def autoscale_section(d: dict) -> list[str]:
-    s = d["setup"]
+    s, raw = d["setup"], RESULTS / "raw" / d["run"]
+    figures, requests = verdicts.autoscale_figures(d, raw), verdicts.autoscale_requests(d, raw)
+    rates = {name: rate for name, rate, _ in s["phases"]}
     lines = [
         "## Autoscaler (`bench/autoscale.py`)", "",
         f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
-        f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; phases (name, req/s, seconds) "
-        f"{s['phases']}; autoscaler {s['autoscale']}. A request with no answer after {s.get('timeout_s', '-')} s, "
-        f"or {s.get('drain_s', '-')} s after its phase, is cancelled and counts with its wait as its TTFT (a lower "
-        f"bound). {_machine(d)}", "",
-        "| way | phase | goodput req/s | P99 TTFT (ms) | P50 TTFT (ms) | completed / sent | limit |",
-        "|---|---|---:|---:|---:|---:|---|",
+        f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; one load step, phases (name, req/s, "
+        f"seconds) {s['phases']}, each phase starting as the one before ends; autoscaler {s['autoscale']}. The "
+        f"autoscaled way starts at the bottom of the range. {s['runs']} runs of each way, interleaved in the order "
+        f"{', '.join(d['order'])} (seed {d['seed']}); the k-th run of every way replays the same arrivals. A request "
+        f"with no answer after {s['timeout_s']} s, or {s['drain_s']} s after its phase, is cancelled and counts "
+        f"with its wait as its TTFT (a lower bound). Every figure is over all runs, with its 95% bootstrap interval "
+        f"over runs and requests, computed from the raw data in `bench/results/raw/{d['run']}/`. {_machine(d)}", "",
+        "| way | phase | within SLO, share of sent | goodput req/s | P99 TTFT (ms) | P99 TPOT (ms) | "
+        "answered / sent | limit |", "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for way, phases in d["ways"].items():
-        for phase, v in phases.items():
-            lines.append(f"| {way} | {phase} | {_f(v['goodput_req_s'], 2)} | {_f(v['ttft_p99_ms'])} | "
-                         f"{_f(v['ttft_p50_ms'])} | {v['completed']} / {v['requests']} | "
-                         f"{v['limit_min']}..{v['limit_max']} |")
-    moves = "; ".join(f"{m['old']} -> {m['new']} ({m['reason']})" for m in d["autoscaler_moves"]) or "none"
-    lines += ["", f"Autoscaler moves: {moves}.", "", "![autoscale](images/bench-autoscale.png)", ""]
+    for way, phases in figures.items():
+        rounds = [r for r in d["rounds"] if r["way"] == way]
+        limits = [v for r in rounds for _, v in r["limits"]]
+        span = f"{min(limits)}..{max(limits)}" if limits else "n/a"
+        for phase, m in phases.items():
+            runs, g = requests[way][phase], m["goodput"]
+            sent, answered = sum(map(len, runs)), sum(r.ok for rs in runs for r in rs)
+            lines.append(f"| {way} | {phase} | {_iv(g, 2)} | {_f(g.value * rates[phase] if g else None, 2)} | "
+                         f"{_iv(m['P99 TTFT'])} | {_iv(m['P99 TPOT'], 1)} | {answered} / {sent} | {span} |")
+    lines += ["", "Moves of the autoscaled way, by run (seconds from the start of the step):", ""]
+    for r in (r for r in d["rounds"] if r["way"] == verdicts.AUTOSCALED):
+        moves = "; ".join(f"{m['at_s']:.0f} s {m['old']} -> {m['new']} ({m['code']})" for m in r["moves"]) or "none"
+        lines.append(f"- run {r['repetition']}: {moves}")
+    lines += ["", f"**Targets**: in every phase the autoscaled way matches the better static way (goodput at least "
+              f"{verdicts.MATCH['goodput']:g}x, P99s at most {verdicts.MATCH['P99 TTFT']:g}x); met only when the "
+              f"whole interval of the ratio does.", "",
+              "| target | bound | figure [95% interval] | runs | verdict |", "|---|---|---|---|---|",
+              *(f.row() for f in verdicts.autoscale_findings(d, raw)),
+              "", "![autoscale](images/bench-autoscale.png)", ""]
     return lines
+
+
+def _iv(iv, digits: int = 0) -> str:
+    return "n/a" if iv is None else f"{_f(iv.value, digits)} [{_f(iv.lo, digits)}, {_f(iv.hi, digits)}]"
 
 
 SETUPS = ("poolserve", "single-fcfs", "single-priority", "stock-two-pools")

@@ -1,5 +1,5 @@
-"""The targets `bench/ceiling.py` measures, each judged from a run's raw data with a 95%
-bootstrap interval: met when the whole interval meets it, missed when none of it does,
+"""The targets `bench/ceiling.py` and `bench/autoscale.py` measure, each judged from a run's raw
+data with a 95% bootstrap interval: met when the whole interval meets it, missed when none of it does,
 inconclusive otherwise (and whenever a side has fewer than MIN_RUNS runs, since one run shows
 nothing of the host's drift between runs).
 
@@ -151,6 +151,80 @@ def before_rounds(raw: Path) -> list[dict]:
 
 def _before_cpu(raw: Path) -> list[list[float]]:
     return [[sum(serving_cpu(r["cpu_s_per_1k_tokens"]).values())] for r in before_rounds(raw)]
+
+
+# -- the autoscaler's load step -------------------------------------------------------------------
+
+AUTOSCALED, STATIC = "autoscaled", ("static-low", "static-high")
+# "Matches the best static way": within these factors of it, at the interval's far end (a P99
+# over one phase's few dozen requests moves by a fifth from one run to the next on this box).
+MATCH = {"goodput": 0.9, "P99 TTFT": 1.25, "P99 TPOT": 1.25}
+
+
+def _good(r, slo: dict) -> float:
+    """1 for a request answered within the pool's SLO (TTFT, and TPOT where it has one)."""
+    return float(r.ok and r.ttft is not None and r.ttft * 1e3 <= slo["ttft_p99_ms"]
+                 and (r.tpot is None or r.tpot * 1e3 <= slo["tpot_p99_ms"]))
+
+
+def autoscale_requests(d: dict, raw: Path) -> dict[str, dict[str, list[list]]]:
+    """way -> phase -> one list of the load generator's results per run."""
+    out: dict = {}
+    for r in d["rounds"]:
+        for phase, _, _ in d["setup"]["phases"]:
+            out.setdefault(r["way"], {}).setdefault(phase, []).append(
+                read_raw(raw / f"{r['round']:02d}-{r['way']}-{phase}.jsonl.gz"))
+    return out
+
+
+def autoscale_samples(d: dict, raw: Path) -> dict[str, dict[str, dict[str, list[list[float]]]]]:
+    """way -> phase -> metric -> one list per run: within-SLO indicators ("goodput"), TTFTs with
+    timeouts at their wait ("P99 TTFT", ms) and TPOTs ("P99 TPOT", ms)."""
+    s = d["setup"]
+    return {way: {phase: {"goodput": [[_good(x, s["slo"]) for x in rs] for rs in runs],
+                          "P99 TTFT": [[t * 1e3 for t in ttfts_with_timeouts(rs, s["timeout_s"])] for rs in runs],
+                          "P99 TPOT": [[x.tpot * 1e3 for x in rs if x.tpot is not None] for rs in runs]}
+                  for phase, runs in phases.items()}
+            for way, phases in autoscale_requests(d, raw).items()}
+
+
+STATS = {"goodput": intervals.mean, "P99 TTFT": intervals.p99, "P99 TPOT": intervals.p99}
+
+
+def autoscale_figures(d: dict, raw: Path) -> dict[str, dict[str, dict[str, Interval | None]]]:
+    """way -> phase -> metric -> the figure over every run with its interval (None without data)."""
+    return {way: {phase: {m: intervals.interval(runs, STATS[m]) if runs and all(runs) else None
+                          for m, runs in metrics.items()} for phase, metrics in phases.items()}
+            for way, phases in autoscale_samples(d, raw).items()}
+
+
+def _best_static(samples: dict, phase: str) -> str | None:
+    """The static way a user would have picked for this phase: the most requests within the SLO,
+    then the lower P99 TTFT. One way per phase, not the best figure of each metric from either
+    (static-low's batch of one has the lowest TPOT and the longest queue: no set-up is both)."""
+    def key(w: str):
+        m = samples[w][phase]
+        pooled = {k: [x for run in m[k] for x in run] for k in ("goodput", "P99 TTFT")}
+        return (-intervals.mean(pooled["goodput"]), intervals.p99(pooled["P99 TTFT"]))
+    ways = [w for w in STATIC if w in samples and all(samples[w][phase]["goodput"])
+            and all(samples[w][phase]["P99 TTFT"])]
+    return min(ways, key=key) if ways else None
+
+
+def autoscale_findings(d: dict, raw: Path) -> list[Finding]:
+    """Per phase and metric: the autoscaled way against the better static way in that phase."""
+    samples, out = autoscale_samples(d, raw), []
+    if AUTOSCALED not in samples:
+        return out
+    for phase, _, _ in d["setup"]["phases"]:
+        if (best := _best_static(samples, phase)) is None:
+            continue
+        for metric, bound in MATCH.items():
+            target = Target(f"autoscaler, {phase}: {metric}, autoscaled / better static way ({best})", bound,
+                            "higher" if metric == "goodput" else "lower")
+            out.append(_judge(target, samples[AUTOSCALED][phase][metric], samples[best][phase][metric],
+                              STATS[metric]))
+    return out
 
 
 def findings(d: dict, raw: Path) -> list[Finding]:

@@ -13,6 +13,8 @@ def percentile(values: list[float], q: float) -> float:
         raise ValueError("percentile of an empty list")
     pos = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
+    if xs[lo] == xs[hi]:  # also where both are infinite (an unbounded ratio), which interpolates to nan
+        return xs[lo]
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 

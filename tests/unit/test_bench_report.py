@@ -33,7 +33,9 @@ def test_overhead_and_autoscale_results_hold_their_verdicts():
     assert o["met"] == {"added_ttft_p50": o["latency_one_at_a_time"]["added_ttft_p50_ms"] <= 5,
                         "req_per_s_ratio": o["req_per_s_ratio"] >= 0.9}
     a = _load("autoscale")
-    assert len(a["ways"]) == 3
+    runs = {w: sum(r["way"] == w for r in a["rounds"]) for w in ("autoscaled", "static-low", "static-high")}
+    assert min(runs.values()) >= 3 and a["order"] == [r["way"] for r in a["rounds"]], runs
+    assert a["setup"]["safe_range"][0] in {v for r in a["rounds"] if r["way"] == "autoscaled" for _, v in r["limits"]}
 
 
 def test_benchmarks_doc_is_rendered_from_the_committed_results():
@@ -49,6 +51,15 @@ def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
     assert (raw / "partial.json").exists(), "a run's record stays beside its raw data"
     found = verdicts.findings(d, raw)
     assert found, "the committed run holds at least one target"
+    doc = report.DOC.read_text()
+    for f in found:
+        assert f.row() in doc, f.target.name
+
+
+def test_every_autoscale_verdict_is_recomputed_from_the_committed_raw_data():
+    d = _load("autoscale")
+    found = verdicts.autoscale_findings(d, RESULTS / "raw" / d["run"])
+    assert len(found) == 3 * len(d["setup"]["phases"])  # goodput, P99 TTFT, P99 TPOT in every phase
     doc = report.DOC.read_text()
     for f in found:
         assert f.row() in doc, f.target.name

@@ -118,3 +118,67 @@ def test_a_late_online_schedule_is_missed(tmp_path):
     found = {f.target.name: f for f in verdicts.findings(d, tmp_path)}
     sent = found["flood: share of the online schedule sent in its window, worst round of both"]
     assert sent.verdict == "missed" and math.isclose(float(sent.why), 59 / 60, abs_tol=1e-3)
+
+
+# -- the autoscaler's load step ----------------------------------------------------------------------
+
+PHASES = [["low", 1.0, 15], ["high", 5.0, 40], ["low-again", 1.0, 15]]
+SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}
+
+
+def _step_run(tmp_path, high_ttft: dict[str, float], runs: int = 3, timeouts: int = 0) -> dict:
+    """A load-step record whose ways answer the high phase with these TTFTs (s), the low phases at
+    0.1 s (static-low at 0.3 s); `timeouts` requests of the autoscaled way's high phase get no answer."""
+    rng, rounds, order = random.Random(0), [], [w for _ in range(runs) for w in high_ttft]
+    for i, way in enumerate(order):
+        for phase, _, _ in PHASES:
+            # a batch of one queues now and then even at the low rate
+            rs = _online(high_ttft[way] if phase == "high" else 0.3 if way == "static-low" else 0.1, rng, n=40)
+            if way == "static-low":  # a batch of one: the fastest tokens, when it answers in time
+                for r in rs:
+                    r.e2e = r.ttft + 31 * 0.005
+            if way == "autoscaled" and phase == "high":
+                for r in rs[:timeouts]:
+                    r.status, r.ttft, r.e2e, r.error = 0, None, 20.0, "timeout"
+            write_raw(tmp_path / f"{i:02d}-{way}-{phase}.jsonl.gz", rs)
+        rounds.append({"round": i, "way": way, "repetition": i // len(high_ttft), "limits": [], "moves": []})
+    return {"run": "x", "seed": 0, "order": order, "rounds": rounds,
+            "setup": {"phases": PHASES, "slo": SLO, "timeout_s": 20, "runs": runs}}
+
+
+def _by_name(found) -> dict:
+    return {f.target.name: f for f in found}
+
+
+def test_the_autoscaled_way_is_judged_against_the_better_static_way_in_each_phase(tmp_path):
+    d = _step_run(tmp_path, {"autoscaled": 0.3, "static-low": 3.0, "static-high": 0.3})
+    found = _by_name(verdicts.autoscale_findings(d, tmp_path))
+    assert len(found) == 9  # three phases, three metrics
+    high = found["autoscaler, high: P99 TTFT, autoscaled / better static way (static-high)"]
+    assert high.runs == (3, 3) and high.interval.lo < 1.0 < high.interval.hi and high.verdict == "met"
+    goodput = found["autoscaler, high: goodput, autoscaled / better static way (static-high)"]
+    assert goodput.verdict == "met" and goodput.interval.value == pytest.approx(1.0)
+    # static-low misses the SLO in the high phase: it is not the way to match there, on any metric
+    # (not even TPOT, where its batch of one is the fastest)
+    assert not any(name.startswith("autoscaler, high") and name.endswith("(static-low)") for name in found)
+
+
+def test_a_climb_too_slow_for_the_step_misses_the_high_phase(tmp_path):
+    d = _step_run(tmp_path, {"autoscaled": 0.3, "static-low": 3.0, "static-high": 0.3}, timeouts=8)
+    found = _by_name(verdicts.autoscale_findings(d, tmp_path))
+    ttft = found["autoscaler, high: P99 TTFT, autoscaled / better static way (static-high)"]
+    assert ttft.verdict == "missed" and ttft.interval.lo > 10  # the timeouts count at their 20 s wait
+    goodput = found["autoscaler, high: goodput, autoscaled / better static way (static-high)"]
+    assert goodput.verdict == "missed" and goodput.interval.value == pytest.approx(0.8)
+    assert all(f.verdict != "missed" for name, f in found.items() if not name.startswith("autoscaler, high"))
+
+
+def test_one_run_of_each_way_is_never_a_verdict(tmp_path):
+    d = _step_run(tmp_path, {"autoscaled": 0.3, "static-low": 3.0, "static-high": 0.3}, runs=1)
+    assert {f.verdict for f in verdicts.autoscale_findings(d, tmp_path)} == {"inconclusive"}
+
+
+def test_a_way_with_nothing_within_slo_gives_an_unbounded_ratio_not_an_error():
+    iv = intervals.ratio([[1.0, 0.0]], [[0.0, 0.0]], intervals.mean)
+    assert iv.value == math.inf and iv.hi == math.inf
+    assert intervals.ratio([[0.0]], [[0.0]], intervals.mean).value == 1.0
