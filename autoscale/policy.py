@@ -222,5 +222,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
-        why += f"; to {nxt}, which holds the {demand(snap)} sequences running and waiting per replica"
+        wanted = demand(snap)
+        why += (f"; to {nxt}, which holds the {wanted} sequences running and waiting per replica" if nxt >= wanted
+                else f"; to {nxt}, the top of the safe range ({wanted} sequences running and waiting per replica)")
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

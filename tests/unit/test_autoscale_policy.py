@@ -268,7 +268,15 @@ def test_the_controller_meets_a_load_step_in_one_move():
         c.report(stats(seqs=2, queued=40))
         c.tick()
     moves = [d for d in c.decisions() if d.old != d.new]
-    assert [(d.old, d.new) for d in moves] == [(2, 16)] and "holds the 42 sequences" in moves[0].reason
+    assert [(d.old, d.new) for d in moves] == [(2, 16)]
+    assert "to 16, the top of the safe range (42 sequences running and waiting" in moves[0].reason
+
+
+def test_an_up_move_says_which_step_holds_the_demand():
+    new, _, reason = decide(snap(queued=3, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
+    assert new == 8 and "to 8, which holds the 5 sequences running and waiting per replica" in reason.text
+    new, _, reason = decide(snap(queued=1, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
+    assert new == 4 and "holds" not in reason.text  # the next step: nothing more to say
 
 
 def test_a_restarted_controller_does_not_act_on_latency_from_before_it():
