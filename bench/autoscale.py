@@ -2,10 +2,11 @@
 from the bottom of its safe range, static at the range's low end, static at its high end.
 
 Each way runs RUNS times, the ways interleaved in a shuffled order (the seed is recorded); the
-k-th run of every way replays the same arrival schedule. The phases follow one another without
-a gap (each phase is a Poisson stream with the trace's lengths, from its own process, started
-when the one before ends its window), so the autoscaled way meets the step as a user's traffic
-would bring it. Every request's timings go to bench/results/raw/<run>/, and the figures, their
+k-th run of every way has the same arrival times (the load generator draws lengths and prompts
+as it sends, so those drift apart between ways). The phases follow one another with no more
+gap than a process's start-up (each phase is a Poisson stream with the trace's lengths, from
+its own process, started when the one before ends its window), so the autoscaled way meets the
+step as a user's traffic would bring it. Every request's timings go to bench/results/raw/<run>/, and the figures, their
 95% intervals and the verdicts are computed from there (`bench.verdicts.autoscale_findings`).
 The autoscaler runs with the embedded default's cadence (2 s ticks, 10 s cooldown).
 
@@ -19,8 +20,10 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from typing import IO
 
 from bench.common import KEYS, REPO, RESULTS, deploy, local_config, ray_cluster, write_result
 
@@ -31,12 +34,13 @@ TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the back
 DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at its wait so far)
 
 
-def _phase(rate: float, seconds: float, seed: int, raw: str) -> subprocess.Popen:
+def _phase(rate: float, seconds: float, seed: int, raw: str) -> tuple[subprocess.Popen, IO[bytes]]:
+    err = tempfile.TemporaryFile()
     return subprocess.Popen(
         [sys.executable, "-m", "infra.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
          "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
          "--timeout", str(TIMEOUT_S), "--drain", str(DRAIN_S), "--raw", raw],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=err), err
 
 
 def _limits_while(stack, stop: threading.Event, trace: list, t0: float) -> None:
@@ -63,11 +67,15 @@ def way_run(stack, way: str, low: int, high: int, repetition: int, raw_prefix: s
             time.sleep(max(0.0, at - time.monotonic()))
             procs.append(_phase(rate, seconds, 100 * repetition + i, f"{raw_prefix}-{phase}.jsonl.gz"))
             at += seconds
-        for p in procs:
-            _, err = p.communicate()
-            if p.returncode != 0:
-                raise RuntimeError(f"load generator failed: {err[-2000:]}")
+        for p, err in procs:
+            if p.wait() != 0:
+                err.seek(0)
+                raise RuntimeError(f"load generator failed: {err.read()[-2000:].decode(errors='replace')}")
     finally:
+        for p, _ in procs:  # a failed phase stops the others
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         stop.set()
         sampler.join()
     moves = [{k: getattr(d, k) for k in ("old", "new", "action", "code", "reason")} | {"at_s": round(d.time - wall, 1)}
@@ -95,7 +103,7 @@ def run(stack, runs: int = 3, seed: int = 0) -> dict:
               f"{len(r['moves'])} moves", flush=True)
     stack.admin.unpin(POOL)
     a, slo = stack.resolved.config.autoscale, rp.config.slo
-    return {
+    record = {
         "run": run_id, "seed": seed, "order": order,
         "setup": {"pool": POOL, "safe_range": [low, high], "phases": [list(p) for p in PHASES], "runs": runs,
                   "timeout_s": TIMEOUT_S, "drain_s": DRAIN_S, "slo": slo.model_dump(),
@@ -104,6 +112,8 @@ def run(stack, runs: int = 3, seed: int = 0) -> dict:
                                 "reversal_cooldown_s": a.reversal_cooldown_s, "latency_window_s": a.latency_window_s}},
         "rounds": rounds,
     }
+    (raw / "record.json").write_text(json.dumps(record, indent=1))  # the run stays judgeable once replaced
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -120,30 +121,34 @@ def _steps(steps: dict | None) -> list[str]:
 def autoscale_section(d: dict) -> list[str]:
     s, raw = d["setup"], RESULTS / "raw" / d["run"]
     figures, requests = verdicts.autoscale_figures(d, raw), verdicts.autoscale_requests(d, raw)
-    rates = {name: rate for name, rate, _ in s["phases"]}
+    rates, seconds = {name: rate for name, rate, _ in s["phases"]}, {name: sec for name, _, sec in s["phases"]}
     lines = [
         "## Autoscaler (`bench/autoscale.py`)", "",
         f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
         f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; one load step, phases (name, req/s, "
         f"seconds) {s['phases']}, each phase starting as the one before ends; autoscaler {s['autoscale']}. The "
         f"autoscaled way starts at the bottom of the range. {s['runs']} runs of each way, interleaved in the order "
-        f"{', '.join(d['order'])} (seed {d['seed']}); the k-th run of every way replays the same arrivals. A request "
+        f"{', '.join(d['order'])} (seed {d['seed']}); the k-th run of every way has the same arrival times. A request "
         f"with no answer after {s['timeout_s']} s, or {s['drain_s']} s after its phase, is cancelled and counts "
         f"with its wait as its TTFT (a lower bound). Every figure is over all runs, with its 95% bootstrap interval "
         f"over runs and requests, computed from the raw data in `bench/results/raw/{d['run']}/`. {_machine(d)}", "",
         "| way | phase | within SLO, share of sent | goodput req/s | P99 TTFT (ms) | P99 TPOT (ms) | "
-        "answered / sent | limit |", "|---|---|---:|---:|---:|---:|---:|---|",
+        "answered / sent | limit in the phase |", "|---|---|---:|---:|---:|---:|---:|---|",
     ]
+    starts = dict(zip(rates, itertools.accumulate([0] + [sec for _, _, sec in s["phases"]])))
     for way, phases in figures.items():
         rounds = [r for r in d["rounds"] if r["way"] == way]
-        limits = [v for r in rounds for _, v in r["limits"]]
-        span = f"{min(limits)}..{max(limits)}" if limits else "n/a"
         for phase, m in phases.items():
-            runs, g = requests[way][phase], m["goodput"]
+            runs = requests[way][phase]
             sent, answered = sum(map(len, runs)), sum(r.ok for rs in runs for r in rs)
-            lines.append(f"| {way} | {phase} | {_iv(g, 2)} | {_f(g.value * rates[phase] if g else None, 2)} | "
+            good = sum(verdicts.within_slo(r, s["slo"]) for rs in runs for r in rs) / (len(runs) * seconds[phase])
+            lo, hi = starts[phase], starts[phase] + seconds[phase]
+            limits = [v for r in rounds for t, v in r["limits"] if lo <= t < hi]
+            span = f"{min(limits)}..{max(limits)}" if limits else "n/a"
+            lines.append(f"| {way} | {phase} | {_iv(m['goodput'], 2)} | {_f(good, 2)} | "
                          f"{_iv(m['P99 TTFT'])} | {_iv(m['P99 TPOT'], 1)} | {answered} / {sent} | {span} |")
-    lines += ["", "Moves of the autoscaled way, by run (seconds from the start of the step):", ""]
+    lines += ["", f"Moves of the autoscaled way, by run (seconds from the start of the run; the high phase starts "
+              f"at {starts['high'] if 'high' in starts else '-'} s):", ""]
     for r in (r for r in d["rounds"] if r["way"] == verdicts.AUTOSCALED):
         moves = "; ".join(f"{m['at_s']:.0f} s {m['old']} -> {m['new']} ({m['code']})" for m in r["moves"]) or "none"
         lines.append(f"- run {r['repetition']}: {moves}")

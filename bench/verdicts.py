@@ -161,7 +161,7 @@ AUTOSCALED, STATIC = "autoscaled", ("static-low", "static-high")
 MATCH = {"goodput": 0.9, "P99 TTFT": 1.25, "P99 TPOT": 1.25}
 
 
-def _good(r, slo: dict) -> float:
+def within_slo(r, slo: dict) -> float:
     """1 for a request answered within the pool's SLO (TTFT, and TPOT where it has one)."""
     return float(r.ok and r.ttft is not None and r.ttft * 1e3 <= slo["ttft_p99_ms"]
                  and (r.tpot is None or r.tpot * 1e3 <= slo["tpot_p99_ms"]))
@@ -181,7 +181,7 @@ def autoscale_samples(d: dict, raw: Path) -> dict[str, dict[str, dict[str, list[
     """way -> phase -> metric -> one list per run: within-SLO indicators ("goodput"), TTFTs with
     timeouts at their wait ("P99 TTFT", ms) and TPOTs ("P99 TPOT", ms)."""
     s = d["setup"]
-    return {way: {phase: {"goodput": [[_good(x, s["slo"]) for x in rs] for rs in runs],
+    return {way: {phase: {"goodput": [[within_slo(x, s["slo"]) for x in rs] for rs in runs],
                           "P99 TTFT": [[t * 1e3 for t in ttfts_with_timeouts(rs, s["timeout_s"])] for rs in runs],
                           "P99 TPOT": [[x.tpot * 1e3 for x in rs if x.tpot is not None] for rs in runs]}
                   for phase, runs in phases.items()}
