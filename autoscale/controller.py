@@ -74,9 +74,7 @@ class Controller:
     def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, clock: Callable[[], float],
                  wall_clock: Callable[[], float] = time.time, store: StateStore | None = None,
                  profiles: ProfileStore | None = None) -> None:
-        self._config = config
-        self._clock = clock
-        self._wall = wall_clock
+        self._config, self._clock, self._wall = config, clock, wall_clock
         self._store = store or MemoryStore()
         self._profiles = profiles or ProfileStore(MemoryStore())
         self._pools = {name: _PoolState(spec, self._restore(name)) for name, spec in specs.items()}
@@ -272,6 +270,8 @@ class Controller:
                 f"max_active_seqs={seqs} is outside pool {name!r}'s allowed range [{allowed.low}, {allowed.high}] "
                 f"(ladder {list(allowed.steps)})" + ("" if calibrating else "; pass calibrating=true to sweep beyond it")))
         old = self.target(name)
+        if p.policy is not None and seqs != old:  # a change, but no direction of the autoscaler's to reverse
+            p.policy = replace(p.policy, last_change_at=self._clock(), last_direction=0)
         self._set(p, pinned=seqs, calibrating=calibrating, epoch=p.operator.epoch + 1)
         self._log.append(DecisionJson(time=self._wall(), pool=name, old=old or seqs, new=seqs, action="pin",
                                       code="operator", applied=True,
@@ -283,8 +283,8 @@ class Controller:
     def unpin(self, name: str) -> PinResult:
         p = self._pools[name]
         if p.operator.pinned is not None and p.policy is not None:
-            # Resume from the pinned value; the next tick clamps it into the safe range.
-            p.policy = replace(p.policy, target=p.operator.pinned, last_change_at=self._clock())
+            # Resume from the pinned value (the next tick clamps it into the safe range): no change.
+            p.policy = replace(p.policy, target=p.operator.pinned)
         self._set(p, pinned=None, calibrating=False, epoch=p.operator.epoch + 1)
         return PinResult(pool=name, epoch=p.operator.epoch)
 
