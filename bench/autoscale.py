@@ -2,13 +2,15 @@
 from the bottom of its safe range, static at the range's low end, static at its high end.
 
 Each way runs RUNS times, the ways interleaved in a shuffled order (the seed is recorded); the
-k-th run of every way has the same arrival times (the load generator draws lengths and prompts
-as it sends, so those drift apart between ways). The phases follow one another with no more
-gap than a process's start-up (each phase is a Poisson stream with the trace's lengths, from
+k-th run of every way has the same arrival times and lengths, and every run its own prompts (no
+prefix-cache hits from another run). The autoscaled way starts at the bottom of its range, where
+it has rested a latency window (as after a quiet spell). The phases follow one another with no
+more gap than a process's start-up (each phase is a Poisson stream with the trace's lengths, from
 its own process, started when the one before ends its window), so the autoscaled way meets the
-step as a user's traffic would bring it. Every request's timings go to bench/results/raw/<run>/, and the figures, their
-95% intervals and the verdicts are computed from there (`bench.verdicts.autoscale_findings`).
-The autoscaler runs with the embedded default's cadence (2 s ticks, 10 s cooldown).
+step as a user's traffic would bring it. Every request's timings go to bench/results/raw/<run>/,
+and the figures, their 95% intervals and the verdicts are computed from there
+(`bench.verdicts.autoscale_findings`). The autoscaler runs with the embedded default's cadence
+(2 s ticks, 10 s cooldown).
 
     python -m bench.autoscale [--runs 3] [--seed 0]    # about 13 minutes with 3 runs
 """
@@ -34,11 +36,12 @@ TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the back
 DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at its wait so far)
 
 
-def _phase(rate: float, seconds: float, seed: int, raw: str) -> tuple[subprocess.Popen, IO[bytes]]:
+def _phase(rate: float, seconds: float, seed: int, prompt_seed: int, raw: str) -> tuple[subprocess.Popen, IO[bytes]]:
     err = tempfile.TemporaryFile()
     return subprocess.Popen(
         [sys.executable, "-m", "infra.loadgen", "--url", "http://127.0.0.1:8000/online/v1", "--key", KEYS["chat"],
          "--chat", "--rate", str(rate), "--trace", "--warmup", "0", "--duration", str(seconds), "--seed", str(seed),
+         "--prompt-seed", str(prompt_seed),
          "--timeout", str(TIMEOUT_S), "--drain", str(DRAIN_S), "--raw", raw],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=err), err
 
@@ -52,12 +55,16 @@ def _limits_while(stack, stop: threading.Event, trace: list, t0: float) -> None:
         stop.wait(1.0)
 
 
-def way_run(stack, way: str, low: int, high: int, repetition: int, raw_prefix: str) -> dict:
+def way_run(stack, way: str, low: int, high: int, repetition: int, round_: int, raw_prefix: str) -> dict:
     """One pass of the load step with the pool `way` (autoscaled from `low`, or pinned)."""
     stack.wait(lambda: stack.idle(POOL), 300)  # nothing left over from the run before
     stack.admin.pin(POOL, high if way == "static-high" else low)
     if way == "autoscaled":
-        stack.admin.unpin(POOL)  # the autoscaler resumes from the pinned value: the bottom
+        # At the bottom as after a quiet spell: a latency window since the limit got there, then
+        # the autoscaler resumes from it. (Unpinned at once, the pin's own move would hold the
+        # first step up for that window: a worst case, not the step this benchmark is about.)
+        time.sleep(stack.resolved.config.autoscale.latency_window_s)
+        stack.admin.unpin(POOL)
     wall, t0, stop, trace = time.time(), time.monotonic(), threading.Event(), []
     sampler = threading.Thread(target=_limits_while, args=(stack, stop, trace, t0))
     sampler.start()
@@ -65,7 +72,8 @@ def way_run(stack, way: str, low: int, high: int, repetition: int, raw_prefix: s
     try:
         for i, (phase, rate, seconds) in enumerate(PHASES):
             time.sleep(max(0.0, at - time.monotonic()))
-            procs.append(_phase(rate, seconds, 100 * repetition + i, f"{raw_prefix}-{phase}.jsonl.gz"))
+            procs.append(_phase(rate, seconds, seed=100 * repetition + i, prompt_seed=100 * round_ + i,
+                                raw=f"{raw_prefix}-{phase}.jsonl.gz"))
             at += seconds
         for p, err in procs:
             if p.wait() != 0:
@@ -96,7 +104,7 @@ def run(stack, runs: int = 3, seed: int = 0) -> dict:
     rounds = []
     for i, way in enumerate(order):
         k = done[way] = done.get(way, -1) + 1
-        r = way_run(stack, way, low, high, k, str(raw / f"{i:02d}-{way}"))
+        r = way_run(stack, way, low, high, k, i, str(raw / f"{i:02d}-{way}"))
         rounds.append({"round": i, "way": way, "repetition": k, **r})
         limits = [v for _, v in r["limits"]]
         print(f"round {i}: {way} (run {k}), limit {min(limits, default=None)}..{max(limits, default=None)}, "

@@ -268,11 +268,14 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
 
 async def open_loop(target: Target, lengths: Lengths, window: Window, rate: float | None = None,
                     speedup: float = 1.0, seed: int = 0, max_outstanding: int = 2000,
-                    timeout_s: float = 600, drain_s: float | None = None) -> "Run":
+                    timeout_s: float = 600, drain_s: float | None = None, prompt_seed: int | None = None) -> "Run":
     """Poisson arrivals at `rate` per second, or the trace's own arrivals sped up `speedup` times.
     With `drain_s`, the requests still running `drain_s` after the window are cancelled: one
-    with no first token yet counts as a timeout, its wait so far a lower bound on its TTFT."""
+    with no first token yet counts as a timeout, its wait so far a lower bound on its TTFT.
+    With `prompt_seed`, the prompts' words come from their own generator: runs of one `seed`
+    keep their arrivals and lengths and share no prompt (no prefix-cache hits between them)."""
     rng = random.Random(seed)
+    words = rng if prompt_seed is None else random.Random(prompt_seed)
     results: list[Result] = []
     t0 = time.monotonic()
     horizon = window.warmup_s + window.measure_s
@@ -296,7 +299,7 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
                     res = Result(start=time.monotonic(), scheduled=t0 + at)
                     results.append(res)
                     try:
-                        await send(client, target, make_prompt(p, rng), o, res)
+                        await send(client, target, make_prompt(p, words), o, res)
                     except asyncio.CancelledError:
                         res.error = "timeout" if res.ttft is None else "cut off at the drain deadline"
                         res.e2e = res.e2e if res.ttft is not None else time.monotonic() - res.start
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--requests", type=int, help="closed loop: stop after sending this many")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-seed", type=int, help="open loop: draw the prompts' words apart from --seed")
     p.add_argument("--header", action="append", default=[], help="extra header NAME:VALUE")
     p.add_argument("--ttft-slo-ms", type=float)
     p.add_argument("--tpot-slo-ms", type=float)
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         run = asyncio.run(closed())
     else:
         run = asyncio.run(open_loop(target, lengths, window, rate=a.rate, speedup=a.trace_speedup or 1.0,
-                                    seed=a.seed, timeout_s=a.timeout, drain_s=a.drain))
+                                    seed=a.seed, timeout_s=a.timeout, drain_s=a.drain, prompt_seed=a.prompt_seed))
     slo = (a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None, a.tpot_slo_ms / 1e3 if a.tpot_slo_ms else None)
     out = {"mode": run.mode, "load": run.load, "lengths": lengths.source, **run.summary(*slo).to_json()}
     if a.split:

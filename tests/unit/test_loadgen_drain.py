@@ -1,6 +1,7 @@
-"""The open loop's drain deadline: what still runs after it is cut off and counted."""
+"""The open loop: its drain deadline, and prompts drawn apart from the schedule."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -63,3 +64,27 @@ def test_without_a_drain_everything_is_awaited(fake):
     fake(slow_after=10_000)
     run = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 0.5), rate=20, seed=1))
     assert run.results and all(r.ok and r.ttft is not None for r in run.results)
+
+
+def test_a_prompt_seed_changes_the_words_and_keeps_the_arrivals_and_lengths(monkeypatch):
+    """Runs of one seed with their own prompt seeds share no prompt (vLLM's prefix cache would
+    serve the later run's from the earlier's) and keep their schedule and lengths."""
+    def run(prompt_seed):
+        bodies = []
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            bodies.append(json.loads(request.content))
+            return await _server(slow_after=10_000)(request)
+
+        monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+            transport=httpx.MockTransport(handler), timeout=timeout_s))
+        r = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(16, 8, 0.5, seed=3), Window(0, 0.6),
+                                  rate=30, seed=1, prompt_seed=prompt_seed))
+        t0 = min(x.scheduled for x in r.results)
+        return ([round(x.scheduled - t0, 6) for x in r.results], sorted(b["max_tokens"] for b in bodies),
+                {b["prompt"] for b in bodies})
+
+    a, b, again = run(10), run(11), run(10)
+    assert len(a[0]) > 5 and a[0] == b[0] and a[1] == b[1]  # the same schedule and lengths
+    assert not a[2] & b[2]  # and no prompt in common
+    assert again[2] == a[2]  # a prompt seed is a seed
