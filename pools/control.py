@@ -136,6 +136,8 @@ class PoolSnapshot(Frozen):
     ttft_p99_s: float | None = None
     tpot_p99_s: float | None = None
     samples: int = 0
+    wait_p99_s: float | None = None  # in the gates' queues, the pools' own requests
+    wait_samples: int = 0
 
 
 class CalibrationJson(Frozen):

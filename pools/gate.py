@@ -112,6 +112,7 @@ class AdmissionGate:
         self._own_seen = float("-inf")  # when the pool's own (not borrowed) work was last here
         self._ids = itertools.count(1)
         self._admissions = Admissions(queue.drain_window_s)
+        self._waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=2048)  # (admitted, waited)
         self._counts = collections.Counter[str]()
         self._peak = 0
 
@@ -209,6 +210,8 @@ class AdmissionGate:
                 self._borrowed_requests += 1
                 self._borrowed_seqs += t.seqs
                 self._borrowed_tokens += t.cost
+            else:
+                self._waits.append((t.admitted_at, t.admitted_at - t.enqueued_at))
             self._peak = max(self._peak, self._active_seqs)
             self._classes[t.priority].charge(t, t.cost)
             self._counts["admitted"] += 1
@@ -320,6 +323,13 @@ class AdmissionGate:
             peak_active=self._peak,
             own_idle_s=0.0 if own else now - self._own_seen,
         )
+
+    def waits(self, window_s: float) -> tuple[float, ...]:
+        """How long the pool's own requests waited here over the last `window_s`: those admitted,
+        and those still waiting (so far: lower bounds)."""
+        now = self._clock()
+        queued = (now - t.enqueued_at for t in self._queued.values() if t.priority != PriorityClass.BORROWED)
+        return (*(w for at, w in self._waits if at >= now - window_s), *queued)
 
     def is_queued(self, ticket_id: int) -> bool:
         return ticket_id in self._queued

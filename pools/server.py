@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from infra.logs import configure_logging
@@ -242,14 +242,14 @@ class PoolServer:
         return self._gate.gate.limits
 
     async def stats(self) -> ReplicaStats:
-        box = self._engine.stats_box
+        box, window = self._engine.stats_box, self._settings.latency_window_s
         return ReplicaStats(
             pool=self._settings.name,
             replica=self._replica,
             time=time.time(),
             gate=self._gate.gate.stats(),
             engine=box.snapshot() if box else EngineStats(),
-            latency=box.latency(self._settings.latency_window_s) if box else LatencySample(),
+            latency=replace(box.latency(window) if box else LatencySample(), wait_s=self._gate.gate.waits(window)),
             safe_range=self._gate.gate.allowed,
             applied_epoch=self._applied_epoch,
             fingerprint=self.fingerprint().model_dump(mode="json") if self._engine.facts() else {},

@@ -222,3 +222,4 @@ class LatencySample:
 
     ttft_s: tuple[float, ...] = ()
     tpot_s: tuple[float, ...] = ()
+    wait_s: tuple[float, ...] = ()  # in the gate's queue: the pool's own requests (still waiting: so far)

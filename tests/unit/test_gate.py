@@ -341,3 +341,23 @@ def test_the_gate_knows_how_long_its_own_work_has_been_away():
     clock.advance(2)
     gate.release(lent.id, 10)
     assert gate.stats().own_idle_s == 2.0
+
+
+def test_waits_are_the_pools_own_admitted_and_still_queued_over_the_window():
+    gate, clock = make_gate(seqs=1)
+    first, _ = offer(gate)  # admitted at once: waited 0
+    second, _ = offer(gate)
+    lent, _ = offer(gate, tenant="b", prio=P.BORROWED)
+    clock.advance(2)
+    gate.release(first.id)  # the second waited 2 s
+    clock.advance(3)
+    assert sorted(gate.waits(10)) == [0.0, 2.0]  # the borrowed one, queued 5 s, is not the pool's own
+    third, _ = offer(gate)
+    clock.advance(1)
+    assert sorted(gate.waits(10)) == [0.0, 1.0, 2.0]  # still waiting: its wait so far
+    gate.cancel(third.id)
+    gate.cancel(lent.id)
+    clock.advance(5)  # 1011: the admission at 1000 is out of a 10-s window, the one at 1002 in
+    assert gate.waits(10) == (2.0,)
+    clock.advance(2)
+    assert gate.waits(10) == ()

@@ -171,12 +171,14 @@ def test_queue_full_yields_a_single_rejection():
         refused = await collect(server, call())
         FakeEngine.release.set()
         await asyncio.gather(running, waiting)
-        return refused, server
+        return refused, server, await server.stats()
 
-    refused, server = asyncio.run(go())
+    refused, server, report = asyncio.run(go())
     assert len(refused) == 1 and isinstance(refused[0], Rejected)
     assert refused[0].status == 429 and refused[0].retry_after_s > 0 and "queue is full" in refused[0].message
     assert server._gate.gate.stats().completed == 2
+    waits = sorted(report.latency.wait_s)  # the report carries the gate's waits to the autoscaler
+    assert len(waits) == 2 and waits[1] > waits[0]  # the second waited for the first's slot
 
 
 def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
