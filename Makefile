@@ -9,7 +9,7 @@ CONFIG ?= deployments/configs/local.yaml
 #   make PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" test
 PIP_EXTRA ?=
 
-.PHONY: setup serve test test-slow bench clean
+.PHONY: setup serve test test-slow bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-$(MODEL)/config.json: $(STAMP)
+$(MODEL)/config.json: $(STAMP) pools/tiny_model.py
 	$(BIN)/poolserve make-tiny-model $(MODEL)
 
 setup: $(STAMP) $(MODEL)/config.json
@@ -35,6 +35,9 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/python -m bench.run_all
+
+bench-quick: setup
+	$(BIN)/python -m bench.run_all --quick
 
 clean:
 	rm -rf $(VENV) .cache

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from bench.common import KEYS, REPO, RESULTS, deploy, local_config, ray_cluster, write_result
@@ -32,6 +33,7 @@ from bench.common import KEYS, REPO, RESULTS, deploy, local_config, ray_cluster,
 POOL = "online-chat"
 PHASES = (("low", 1.0, 15), ("high", 5.0, 40), ("low-again", 1.0, 15))  # (name, req/s, seconds)
 WAYS = ("autoscaled", "static-low", "static-high")
+RUNS = 3  # of each way
 TIMEOUT_S = 20  # a request with no answer by then counts as a timeout (the backlog of a limit too low)
 DRAIN_S = 8  # what still runs this long after its phase is cut off (counted at its wait so far)
 
@@ -92,11 +94,11 @@ def way_run(stack, way: str, low: int, high: int, repetition: int, round_: int, 
     return {"limits": trace, "moves": moves}
 
 
-def run(stack, runs: int = 3, seed: int = 0) -> dict:
+def run(stack, runs: int = RUNS, seed: int = 0, results: Path = RESULTS) -> dict:
     rp = stack.resolved.pools[POOL]
     low, high = rp.safe_range.low, rp.safe_range.high
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-autoscale"
-    raw = RESULTS / "raw" / run_id
+    raw = results / "raw" / run_id
     raw.mkdir(parents=True, exist_ok=True)
     order = [w for _ in range(runs) for w in WAYS]
     random.Random(seed).shuffle(order)
@@ -126,7 +128,7 @@ def run(stack, runs: int = 3, seed: int = 0) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.autoscale")
-    p.add_argument("--runs", type=int, default=3, help="runs of each way")
+    p.add_argument("--runs", type=int, default=RUNS, help="runs of each way")
     p.add_argument("--seed", type=int, default=0, help="seeds the order of the ways")
     a = p.parse_args(argv)
     with ray_cluster():

@@ -63,9 +63,9 @@ def machine() -> dict:
             "ray": ray.__version__, "vllm": vllm.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def write_result(name: str, result: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, result: dict, results: Path = RESULTS) -> Path:
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}.json"
     path.write_text(json.dumps({"benchmark": name, "machine": machine(), **result}, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")

@@ -9,9 +9,10 @@ import itertools
 import json
 from pathlib import Path
 
-from bench import verdicts
+from bench import intervals, verdicts
 from bench.common import REPO, RESULTS
 from bench.report_ceiling import ceiling_section
+from infra.stats import percentile
 
 DOC = REPO / "docs" / "benchmarks.md"
 IMAGES = REPO / "docs" / "images"
@@ -42,16 +43,18 @@ def plot_overhead(d: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    found = verdicts.overhead_findings(d, RESULTS / "raw" / d["run"])[:len(d["setup"]["prompts"])]
+    ivs = [f.interval for f in found]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    metrics = [("ttft", "p50"), ("ttft", "p99"), ("e2e", "p50"), ("e2e", "p99")]
-    labels = [f"{m} {p}" for m, p in metrics]
-    x = range(len(metrics))
-    ax.bar([i - 0.2 for i in x], [d["direct"][f"{m}_ms"][p] for m, p in metrics], 0.4, label="direct (stock ingress)")
-    ax.bar([i + 0.2 for i in x], [d["router"][f"{m}_ms"][p] for m, p in metrics], 0.4, label="through the router")
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("ms")
-    ax.set_title(f"Router overhead (req/s ratio {d['req_per_s_ratio']:.2f})")
-    ax.legend()
+    xs = range(len(ivs))
+    ax.bar(xs, [iv.value for iv in ivs], 0.5, yerr=[[iv.value - iv.lo for iv in ivs], [iv.hi - iv.value for iv in ivs]],
+           capsize=4, label="router − direct, median of paired differences")
+    ax.axhline(verdicts.OVERHEAD_MS, color="grey", linestyle="--", label=f"target: {verdicts.OVERHEAD_MS:g} ms")
+    ax.set_xticks(list(xs), [f"{p:,} tokens" for p in d["setup"]["prompts"]])
+    ax.set_xlabel("prompt")
+    ax.set_ylabel("TTFT added (ms)")
+    ax.set_title(f"Router overhead, one request at a time (bars: 95% intervals, {d['setup']['rounds']} rounds)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -86,36 +89,41 @@ def plot_autoscale(d: dict, path: Path) -> None:
 
 
 def overhead_section(d: dict) -> list[str]:
-    r, dr, a, lat = d["router"], d["direct"], d["added_at_load"], d["latency_one_at_a_time"]
-    return [
+    s, raw = d["setup"], RESULTS / "raw" / d["run"]
+    pairs, loops = verdicts.overhead_pairs(raw), verdicts.overhead_loops(d, raw)
+    lines = [
         "## Router overhead (`bench/overhead.py`)", "",
-        f"The baseline is {d['setup']['baseline']} on the same core. {_machine(d)}", "",
-        f"**Latency**, one request at a time, the paths alternating request by request, {lat['pairs']} pairs of "
-        f"{lat['lengths']} tokens: TTFT p50 {_f(lat['ttft_p50_ms']['router'], 1)} ms through the router, "
-        f"{_f(lat['ttft_p50_ms']['direct'], 1)} ms direct: **{_f(lat['added_ttft_p50_ms'], 1)} ms added** "
-        f"(median of the pairs' differences {_f(lat['median_pair_difference_ms'], 1)} ms).", "",
-        *_steps(lat.get("router_path_steps_p50_ms")),
-        f"**Throughput**, {d['setup']['concurrency']} concurrent streams, {d['setup']['lengths']} tokens, "
-        f"{d['setup']['rounds']} alternating rounds of {d['setup']['measure_s_per_round']} s per path:", "",
-        "| path | req/s | TTFT p50 / p99 (ms) | E2E p50 / p99 (ms) | TPOT p50 (ms) |", "|---|---:|---:|---:|---:|",
-        f"| direct | {_f(dr['req_per_s'], 2)} | {_f(dr['ttft_ms']['p50'])} / {_f(dr['ttft_ms']['p99'])} | "
-        f"{_f(dr['e2e_ms']['p50'])} / {_f(dr['e2e_ms']['p99'])} | {_f(dr['tpot_ms']['p50'], 1)} |",
-        f"| router | {_f(r['req_per_s'], 2)} | {_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} | "
-        f"{_f(r['e2e_ms']['p50'])} / {_f(r['e2e_ms']['p99'])} | {_f(r['tpot_ms']['p50'], 1)} |", "",
-        f"At that load the difference in TTFT p50 was {_f(a['ttft_p50_ms'], 1)} ms (E2E {_f(a['e2e_p50_ms'], 1)} ms), "
-        f"within the swings of two shared cores; req/s ratio {_f(d['req_per_s_ratio'], 2)}. Targets: at most 5 ms "
-        f"added at p50 ({_yes(d['met']['added_ttft_p50'])}), at least 0.9x the direct req/s "
-        f"({_yes(d['met']['req_per_s_ratio'])}).", "",
-        "![overhead](images/bench-overhead.png)", "",
+        f"The baseline is {s['baseline']} on the same core; both engines with a {s['max_model_len']:,}-token context. "
+        f"{_machine(d)}", "",
+        f"**Latency**, one request at a time ({s['pair_output']} output tokens), the two paths alternating request by "
+        f"request, {s['pairs']} pairs at each prompt length in each of {s['rounds']} rounds, the lengths in a shuffled "
+        f"order each round (seed {d['seed']}). The figure is the median of the pairs' TTFT differences, with its 95% "
+        f"bootstrap interval over rounds and pairs, from the raw pairs in `bench/results/raw/{d['run']}/`. The router "
+        "path's steps are the P50s of its `Server-Timing` header (its own work, reaching the engine, the gate's queue, "
+        "the engine's first output); the direct path has no such split.", "",
+        "| prompt tokens | TTFT P50 router / direct (ms) | added: median of paired differences (ms) | "
+        "router path's steps, P50 (ms) |", "|---:|---:|---:|---|",
     ]
-
-
-def _steps(steps: dict | None) -> list[str]:
-    if not steps:
-        return []
-    return ["Where the router path's TTFT went (P50 of each step, ms, from the router's `Server-Timing` header): "
-            + ", ".join(f"{k} {_f(v, 1)}" for k, v in steps.items()) + ". The direct path has no such split; "
-            "its own ingress and proxy hops are inside its total.", ""]
+    for p, diffs in verdicts.overhead_differences(d, raw).items():
+        rows = [r for r in pairs if r["prompt"] == p]
+        ttft = {k: percentile([r[f"{k}_ttft_ms"] for r in rows], 50) for k in ("router", "direct")}
+        steps = {k: percentile([r["router_steps_ms"][k] for r in rows if k in r["router_steps_ms"]], 50)
+                 for k in dict.fromkeys(k for r in rows for k in r["router_steps_ms"])}
+        lines.append(f"| {p:,} | {_f(ttft['router'], 1)} / {_f(ttft['direct'], 1)} | "
+                     f"{intervals.interval(diffs, intervals.p50)} | "
+                     f"{', '.join(f'{k} {_f(v, 1)}' for k, v in steps.items())} |")
+    lines += ["", f"**Throughput**, a closed loop of {s['concurrency']} streams of {s['loop_lengths']} tokens, "
+              f"{s['rounds']} rounds of {s['measure_s']} s on each path in the order {', '.join(d['loop_order'])}:", "",
+              "| path | req/s, mean of rounds | TTFT P50 / P99 (ms) | E2E P50 (ms) |", "|---|---:|---:|---:|"]
+    for path, runs in loops.items():
+        done = [x for r in runs for x in r.measured() if x.ok]
+        rps = sum(len(r.completed_in_window()) / r.measure_s for r in runs) / len(runs)
+        ttft = [x.ttft * 1e3 for x in done if x.ttft is not None]
+        lines.append(f"| {path} | {_f(rps, 2)} | {_f(percentile(ttft, 50))} / {_f(percentile(ttft, 99))} | "
+                     f"{_f(percentile([x.e2e * 1e3 for x in done if x.e2e is not None], 50))} |")
+    return lines + ["", "| target | bound | figure [95% interval] | runs | verdict |", "|---|---|---|---|---|",
+                    *(f.row() for f in verdicts.overhead_findings(d, raw)),
+                    "", "![overhead](images/bench-overhead.png)", ""]
 
 
 def autoscale_section(d: dict) -> list[str]:
@@ -127,8 +135,9 @@ def autoscale_section(d: dict) -> list[str]:
         f"Pool `{s['pool']}`, safe range {s['safe_range']}, SLO P99 TTFT {s['slo']['ttft_p99_ms']:.0f} ms / TPOT "
         f"{s['slo']['tpot_p99_ms']:.0f} ms; Poisson chat with trace lengths; one load step, phases (name, req/s, "
         f"seconds) {s['phases']}, each phase starting as the one before ends; autoscaler {s['autoscale']}. The "
-        f"autoscaled way starts at the bottom of the range. {s['runs']} runs of each way, interleaved in the order "
-        f"{', '.join(d['order'])} (seed {d['seed']}); the k-th run of every way has the same arrival times. A request "
+        f"autoscaled way starts at the bottom of the range, where it has rested a latency window. {s['runs']} runs of "
+        f"each way, interleaved in the order {', '.join(d['order'])} (seed {d['seed']}); the k-th run of every way has "
+        f"the same arrival times and lengths, and every run its own prompts. A request "
         f"with no answer after {s['timeout_s']} s, or {s['drain_s']} s after its phase, is cancelled and counts "
         f"with its wait as its TTFT (a lower bound). Every figure is over all runs, with its 95% bootstrap interval "
         f"over runs and requests, computed from the raw data in `bench/results/raw/{d['run']}/`. {_machine(d)}", "",

@@ -1,18 +1,28 @@
-"""`make bench`: the autoscaler, mixed and overhead benchmarks in one run (one Ray cluster, one
-poolserve deployment, three engine starts for the baselines), then docs/benchmarks.md.
+"""`make bench`: the autoscaler, mixed and overhead benchmarks in one run (one Ray cluster), then
+docs/benchmarks.md from their results. `make bench-quick`, for development, runs each autoscaler
+way and the overhead rounds once, leaves the mixed benchmark out (ten minutes alone), keeps its
+results in bench/results/quick/ (not in the repository) and prints its verdicts (inconclusive:
+one run shows nothing of the host's drift); the doc stays as it is.
 
-    python -m bench.run_all      # the autoscaler's 3 runs a way alone took 14 minutes on the 2-core box
+    python -m bench.run_all [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
-from bench import autoscale, mixed, overhead, report
-from bench.common import deploy, local_config, ray_cluster, teardown, write_result
+from bench import autoscale, mixed, overhead, report, verdicts
+from bench.common import RESULTS, deploy, local_config, ray_cluster, teardown, write_result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.run_all")
+    p.add_argument("--quick", action="store_true", help="one run of each way and round, into bench/results/quick/")
+    quick = p.parse_args(argv).quick
+    results = RESULTS / "quick" if quick else RESULTS
+    runs = 1 if quick else None
+    overhead.check_model()  # before the other benchmarks, not after them
     started = time.monotonic()
 
     def step(what: str) -> None:
@@ -22,28 +32,39 @@ def main() -> None:
         step("deploy poolserve")
         stack = deploy(local_config())
         step("autoscale benchmark")
-        write_result("autoscale", autoscale.run(stack))
+        scaled = autoscale.run(stack, runs=runs or autoscale.RUNS, results=results)
+        write_result("autoscale", scaled, results)
         stack.wait(stack.idle, 300)
-        step("mixed: poolserve")
-        results = {"poolserve": mixed.run_setup("poolserve", mixed.Endpoints(
-            **{**mixed.POOLSERVE.__dict__, "admin": stack}))}
-        stack.wait(stack.idle, 300)
-        # The stock two pools, deployed beside poolserve: the overhead baseline, then (once
-        # poolserve is gone, so that each set-up runs with only its own engines on the two
-        # cores) the stock set-up of the mixed benchmark.
-        step("deploy the stock two pools")
-        two_pools = mixed.setup_two_pools("/stock")
-        step("overhead benchmark")
-        write_result("overhead", overhead.run(stack, overhead.direct_target(two_pools.online_url)))
+        if not quick:
+            _mixed(stack, step, started)
         teardown("poolserve")
-        step("mixed: stock two pools and the floor")
-        results["stock-two-pools"], floor = mixed.run_two_pools(two_pools)
-        step("mixed: single pools")
-        results.update(mixed.run_single_pools())
-        write_result("mixed", mixed.report(results, floor, time.monotonic() - started))
-    report.main()
+        step("overhead benchmark")
+        try:
+            over = overhead.run(*overhead.deployed(), rounds=runs or overhead.ROUNDS, results=results)
+        finally:
+            teardown("stock-online")
+            teardown("poolserve")
+        write_result("overhead", over, results)
+    if quick:
+        for f in (verdicts.autoscale_findings(scaled, results / "raw" / scaled["run"])
+                  + verdicts.overhead_findings(over, results / "raw" / over["run"])):
+            print(f.row())
+    else:
+        report.main()
     step("done")
-    print(f"make bench took {time.monotonic() - started:.0f}s")
+    print(f"make bench{'-quick' if quick else ''} took {time.monotonic() - started:.0f}s")
+
+
+def _mixed(stack, step, started: float) -> None:
+    step("mixed: poolserve")
+    endpoints = mixed.Endpoints(**{**mixed.POOLSERVE.__dict__, "admin": stack})
+    setups = {"poolserve": mixed.run_setup("poolserve", endpoints)}
+    teardown("poolserve")  # each set-up runs with only its own engines on the two cores
+    step("mixed: stock two pools and the floor")
+    setups["stock-two-pools"], floor = mixed.run_two_pools(mixed.setup_two_pools("/stock"))
+    step("mixed: single pools")
+    setups.update(mixed.run_single_pools())
+    write_result("mixed", mixed.report(setups, floor, time.monotonic() - started))
 
 
 if __name__ == "__main__":

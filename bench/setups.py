@@ -36,9 +36,10 @@ def model() -> str:
     return local_config()["model"]["source"]
 
 
-def poolserve():
-    """The embedded default, without calibration sweeps (the bench pins its limits)."""
-    cfg = local_config()
+def poolserve(**changes):
+    """The embedded default (with `changes`, as `bench.common.variant` takes them), without
+    calibration sweeps (the bench pins its limits)."""
+    cfg = variant(local_config(), **changes)
     for pool in cfg["pools"]:
         cfg = variant(cfg, **{f"pools.{pool}.calibration.mode": "fallback"})
     stack = deploy(cfg)
@@ -54,7 +55,8 @@ def pin(stack, online: int, offline: int) -> None:
     stack.admin.pin("offline-batch", offline, calibrating=True)
 
 
-def _llm_config(model_id: str, seqs: int, batched: int, core: str, stream_batching_ms: float):
+def _llm_config(model_id: str, seqs: int, batched: int, core: str, stream_batching_ms: float,
+                max_model_len: int = 2048):
     """A stock pool with poolserve's engine ceilings, cores and stream batching; the
     deployment options are ray.serve.llm's defaults."""
     from ray.serve.llm import LLMConfig
@@ -63,7 +65,7 @@ def _llm_config(model_id: str, seqs: int, batched: int, core: str, stream_batchi
 
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model()},
-        engine_kwargs={"dtype": "float32", "max_model_len": 2048, "max_num_seqs": seqs,
+        engine_kwargs={"dtype": "float32", "max_model_len": max_model_len, "max_num_seqs": seqs,
                        "max_num_batched_tokens": batched, "enable_chunked_prefill": True,
                        "kv_cache_memory_bytes": 1 << 30},
         accelerator_config={"kind": "cpu"},
@@ -96,6 +98,16 @@ def stock_two_pools() -> Target:
     engines = descendants([pid for pid, _ in engine_children(replica)])
     assert engines and renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
     return Target("stock-two-pools", url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
+
+
+def stock_online_pool(max_model_len: int) -> Target:
+    """The online pool's engine (its ceilings, core and stream batching) alone behind stock
+    ray.serve.llm."""
+    e = local_config()["pools"]["online-chat"]
+    url = _deploy_stock("stock-online", [_llm_config(
+        "tiny-llama-online", e["engine"]["max_num_seqs"], e["engine"]["max_num_batched_tokens"],
+        e["engine"]["cpu_threads_bind"], e["stream_batching_ms"], max_model_len)])
+    return Target("stock-online-pool", url, url, online_model="tiny-llama-online")
 
 
 def stock_one_pool() -> str:

@@ -1,7 +1,7 @@
-"""The targets `bench/ceiling.py` and `bench/autoscale.py` measure, each judged from a run's raw
-data with a 95% bootstrap interval: met when the whole interval meets it, missed when none of it does,
-inconclusive otherwise (and whenever a side has fewer than MIN_RUNS runs, since one run shows
-nothing of the host's drift between runs).
+"""The targets `bench/ceiling.py`, `bench/autoscale.py` and `bench/overhead.py` measure, each
+judged from a run's raw data with a 95% bootstrap interval: met when the whole interval meets it,
+missed when none of it does, inconclusive otherwise (and whenever a side has fewer than MIN_RUNS
+runs, since one run shows nothing of the host's drift between runs).
 
     python -m bench.verdicts bench/results/raw/<run>
 """
@@ -227,6 +227,53 @@ def autoscale_findings(d: dict, raw: Path) -> list[Finding]:
     return out
 
 
+# -- router overhead ------------------------------------------------------------------------------
+
+OVERHEAD_MS = 5.0  # TTFT the router path may add at its median
+
+
+def overhead_pairs(raw: Path) -> list[dict]:
+    with gzip.open(raw / "pairs.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def overhead_differences(d: dict, raw: Path) -> dict[int, list[list[float]]]:
+    """prompt tokens -> one list per round of the pairs' TTFT differences (router − direct, ms)."""
+    out: dict[int, list[list[float]]] = {}
+    pairs = overhead_pairs(raw)
+    for p in d["setup"]["prompts"]:
+        rows = [r for r in pairs if r["prompt"] == p]
+        out[p] = [[r["router_ttft_ms"] - r["direct_ttft_ms"] for r in rows if r["round"] == k]
+                  for k in sorted({r["round"] for r in rows})]
+    return out
+
+
+def overhead_loops(d: dict, raw: Path) -> dict[str, list]:
+    """path -> one `Run` per closed-loop round, rebuilt from its raw requests and window."""
+    from infra.results import Run
+
+    out: dict[str, list] = {}
+    for i, path in enumerate(d["loop_order"]):
+        stem = raw / f"loop-{i:02d}-{path}"
+        window = json.loads(Path(f"{stem}.json").read_text())["window"]
+        out.setdefault(path, []).append(Run(read_raw(f"{stem}.jsonl.gz"), window["from"], window["seconds"], {},
+                                            "closed", d["setup"]["concurrency"]))
+    return out
+
+
+def overhead_findings(d: dict, raw: Path) -> list[Finding]:
+    """TTFT the router adds at each prompt length (the median of paired differences), and the
+    closed loop's req/s through the router over direct."""
+    out = [_judge(Target(f"router overhead, {p:,}-token prompts: TTFT added, median of paired differences (ms)",
+                         OVERHEAD_MS, "lower"), diffs, None, intervals.p50)
+           for p, diffs in overhead_differences(d, raw).items()]
+    rps = {path: [[len(r.completed_in_window()) / r.measure_s] for r in runs]
+           for path, runs in overhead_loops(d, raw).items()}
+    out.append(_judge(Target(f"router overhead, {d['setup']['concurrency']} streams: req/s, router / direct", 0.9,
+                             "higher"), rps.get("router", []), rps.get("direct", []), intervals.mean))
+    return out
+
+
 def findings(d: dict, raw: Path) -> list[Finding]:
     """Every target `d` (a run's record, as bench/ceiling.py writes it) has data for."""
     return (_flood(d, raw) if d["flood"] else []) + (_ceiling(d, raw) if d["ceiling"] or d.get("c1") else [])
@@ -234,7 +281,12 @@ def findings(d: dict, raw: Path) -> list[Finding]:
 
 def main(argv: list[str] | None = None) -> None:
     raw = Path((argv or sys.argv[1:])[0])
-    for f in findings(json.loads((raw / "partial.json").read_text()), raw):
+    if (raw / "record.json").exists():  # an autoscaler or overhead run
+        d = json.loads((raw / "record.json").read_text())
+        judged = overhead_findings(d, raw) if d["run"].endswith("-overhead") else autoscale_findings(d, raw)
+    else:
+        judged = findings(json.loads((raw / "partial.json").read_text()), raw)
+    for f in judged:
         print(f.row())
 
 

@@ -41,7 +41,7 @@ class TinyModelSpec:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 8192  # RoPE: no weights depend on it; the deployments choose max_model_len
     seed: int = 0
 
 

@@ -19,6 +19,7 @@ def test_shapes_and_tokenizer(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["hidden_size"] // cfg["num_attention_heads"] == cfg["head_dim"] == 64
     assert cfg["torch_dtype"] == "float32" and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["max_position_embeddings"] >= 8192  # room for bench/overhead.py's 4,096-token prompts
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
