@@ -178,11 +178,16 @@ class PoolEndpoints:
     async def models_here(self, request: Request) -> Response:
         return await self.router.models(request, self.prefix)
 
+    async def healthz_here(self, request: Request) -> Response:
+        """This replica's own views: it decides borrowing and shedding for its requests."""
+        return await self.router.healthz(request)
+
 
 POOL_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("post", "/v1/chat/completions", "chat_here"),
     ("post", "/v1/completions", "completions_here"),
     ("get", "/v1/models", "models_here"),
+    ("get", "/healthz", "healthz_here"),
 )
 
 

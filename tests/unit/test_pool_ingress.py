@@ -288,3 +288,18 @@ def test_an_answer_refused_by_the_engine_frees_its_slot_at_once():
     r, stats = asyncio.run(go())
     assert r.status_code == 400 and "Client disconnected" in r.json()["error"]["message"]
     assert stats.active == 0 and stats.admitted == stats.completed == 1
+
+
+def test_a_pool_replica_says_whether_its_own_views_are_fresh():
+    """It decides borrowing and shedding for the requests it answers from its own views, so its
+    health is its own, not the control router's."""
+    async def go():
+        ingress, _ = await make_ingress()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=http_app(ingress)), base_url="http://p") as c:
+            r = await c.get("/healthz")
+        views = ingress.router._loads.views_fresh()
+        await ingress.close()
+        return r, views
+
+    r, views = asyncio.run(go())
+    assert r.status_code == 200 and r.json() == {"status": "ok", "pools": views} and "p" in views
