@@ -9,7 +9,7 @@ import itertools
 import json
 from pathlib import Path
 
-from bench import intervals, verdicts
+from bench import verdicts
 from bench.common import REPO, RESULTS
 from bench.report_ceiling import ceiling_section
 from infra.stats import percentile
@@ -91,6 +91,7 @@ def plot_autoscale(d: dict, path: Path) -> None:
 def overhead_section(d: dict) -> list[str]:
     s, raw = d["setup"], RESULTS / "raw" / d["run"]
     pairs, loops = verdicts.overhead_pairs(raw), verdicts.overhead_loops(d, raw)
+    found = verdicts.overhead_findings(d, raw)  # one per prompt length, then the req/s ratio
     lines = [
         "## Router overhead (`bench/overhead.py`)", "",
         f"The baseline is {s['baseline']} on the same core; both engines with a {s['max_model_len']:,}-token context. "
@@ -104,13 +105,13 @@ def overhead_section(d: dict) -> list[str]:
         "| prompt tokens | TTFT P50 router / direct (ms) | added: median of paired differences (ms) | "
         "router path's steps, P50 (ms) |", "|---:|---:|---:|---|",
     ]
-    for p, diffs in verdicts.overhead_differences(d, raw).items():
+    for p, finding in zip(s["prompts"], found):
         rows = [r for r in pairs if r["prompt"] == p]
         ttft = {k: percentile([r[f"{k}_ttft_ms"] for r in rows], 50) for k in ("router", "direct")}
         steps = {k: percentile([r["router_steps_ms"][k] for r in rows if k in r["router_steps_ms"]], 50)
                  for k in dict.fromkeys(k for r in rows for k in r["router_steps_ms"])}
         lines.append(f"| {p:,} | {_f(ttft['router'], 1)} / {_f(ttft['direct'], 1)} | "
-                     f"{intervals.interval(diffs, intervals.p50)} | "
+                     f"{finding.interval} | "
                      f"{', '.join(f'{k} {_f(v, 1)}' for k, v in steps.items())} |")
     lines += ["", f"**Throughput**, a closed loop of {s['concurrency']} streams of {s['loop_lengths']} tokens, "
               f"{s['rounds']} rounds of {s['measure_s']} s on each path in the order {', '.join(d['loop_order'])}:", "",
@@ -122,7 +123,7 @@ def overhead_section(d: dict) -> list[str]:
         lines.append(f"| {path} | {_f(rps, 2)} | {_f(percentile(ttft, 50))} / {_f(percentile(ttft, 99))} | "
                      f"{_f(percentile([x.e2e * 1e3 for x in done if x.e2e is not None], 50))} |")
     return lines + ["", "| target | bound | figure [95% interval] | runs | verdict |", "|---|---|---|---|---|",
-                    *(f.row() for f in verdicts.overhead_findings(d, raw)),
+                    *(f.row() for f in found),
                     "", "![overhead](images/bench-overhead.png)", ""]
 
 

@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> None:
         scaled = autoscale.run(stack, runs=runs or autoscale.RUNS, results=results)
         write_result("autoscale", scaled, results)
         stack.wait(stack.idle, 300)
-        if not quick:
-            _mixed(stack, step, started)
-        teardown("poolserve")
+        if quick:
+            teardown("poolserve")
+        else:
+            _mixed(stack, step, started)  # tears poolserve down before the stock set-ups
         step("overhead benchmark")
         try:
             over = overhead.run(*overhead.deployed(), rounds=runs or overhead.ROUNDS, results=results)
