@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import yaml
 
-from infra.stats import counter_at, counter_rate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -99,60 +98,6 @@ class Stack:
                 pass
             time.sleep(0.2)
         raise TimeoutError("condition not met")
-
-
-class EngineTokens:
-    """The engines' own count of generated tokens, every pool's replicas summed, sampled from
-    their reports (`/admin/pools`) every `every_s` while the context is open.
-
-    Output tok/s over a window from it does not depend on when whole responses complete: a
-    pool's slots finish in waves, so counting completions in a 16 s window moves by a wave.
-    The reports lag the engines by up to a report interval at both ends of a window alike.
-    """
-
-    def __init__(self, stack: "Stack", every_s: float = 0.5, tail_s: float = 2.0) -> None:
-        import threading
-
-        self._stack, self._every, self._tail = stack, every_s, tail_s
-        self.samples: list[tuple[float, int]] = []
-        self.limits: list[tuple[float, dict[str, int]]] = []  # each pool's max_active_seqs, first replica
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "EngineTokens":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.wait(self._tail)  # the reports lag: sample past the end of the last window
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                status = self._stack.admin.pools()
-                total = sum(r.engine.generated_tokens for v in status.values() for r in v.replicas)
-                now = time.monotonic()
-                self.samples.append((now, total))
-                self.limits.append((now, {p: v.replicas[0].limits.max_active_seqs
-                                          for p, v in status.items() if v.replicas}))
-            except Exception:  # a missed sample only widens the interpolation
-                pass
-            self._stop.wait(self._every)
-
-    def at(self, t: float) -> float | None:
-        """The count at time `t` (time.monotonic()), interpolated between samples."""
-        return counter_at(self.samples, t)
-
-    def limit_range(self, pool: str, start: float, seconds: float) -> list[int] | None:
-        """[lowest, highest] max_active_seqs of `pool` seen in the window."""
-        seen = [lim[pool] for t, lim in self.limits if start <= t <= start + seconds and pool in lim]
-        return [min(seen), max(seen)] if seen else None
-
-    def rate(self, start: float, seconds: float) -> float | None:
-        """Tokens per second the engines generated in [start, start + seconds]."""
-        return counter_rate(self.samples, start, start + seconds) if seconds > 0 else None
 
 
 @contextmanager

@@ -18,17 +18,13 @@ DOC = REPO / "docs" / "benchmarks.md"
 IMAGES = REPO / "docs" / "images"
 
 
-def _load(name: str) -> dict | None:
+def load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def _f(x, digits: int = 0) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
-
-
-def _yes(ok: bool) -> str:
-    return "**met**" if ok else "**missed**"
 
 
 def _machine(d: dict) -> str:
@@ -175,98 +171,16 @@ def _iv(iv, digits: int = 0) -> str:
     return "n/a" if iv is None else f"{_f(iv.value, digits)} [{_f(iv.lo, digits)}, {_f(iv.hi, digits)}]"
 
 
-SETUPS = ("poolserve", "single-fcfs", "single-priority", "stock-two-pools")
-
-
-def _poolserve_inside(ps: dict) -> list[str]:
-    """What poolserve's own reports say about its online pool under the flood."""
-    w, lines = ps["online_with_offline"], []
-    if w.get("online_limit"):
-        lo, hi = w["online_limit"]
-        moves = "; ".join(f"{m['pool']} {m['old']} -> {m['new']} ({m['code']})" for m in ps.get("autoscaler_moves", []))
-        lines.append(f"Poolserve's online limit (max_active_seqs) during the flood: {lo}..{hi}; autoscaler moves in "
-                     f"the set-up: {moves or 'none'}.")
-    st = w.get("server_timing_ms") or {}
-    if st:
-        lines.append("Its online requests' time to the first token under the flood, by step (router's "
-                     "`Server-Timing`, P50 / P99 ms): " + ", ".join(
-                         f"{k} {_f(v['p50'])} / {_f(v['p99'])}" for k, v in st.items() if v.get("n")) + ".")
-    return [*lines, ""] if lines else []
-
-
-def _borrowing(ps: dict) -> list[str]:
-    on, off = ps["offline_alone"], ps.get("offline_alone_no_borrowing")
-    if not off or "engine_output_tok_s" not in on:
-        return []
-    lift = _div(on["engine_output_tok_s"], off["engine_output_tok_s"])
-    windows = ""
-    if "windows_engine_output_tok_s" in on:
-        n = len(on["windows_engine_output_tok_s"])
-        windows = (f" {2 * n} windows of equal length, lending off and on alternating, each row the mean of its "
-                   f"{n} (engines' tok/s: off {', '.join(_f(x) for x in off['windows_engine_output_tok_s'])}; on "
-                   f"{', '.join(_f(x) for x in on['windows_engine_output_tok_s'])})")
-    return [f"Borrowing, poolserve with online idle (offline tok/s counted by the engines, both pools summed, "
-            f"and from whole responses completed in the window;{windows}):", "",
-            "| online pool's lending | engines' tok/s | completed responses' tok/s | offline requests borrowed |",
-            "|---|---:|---:|---:|",
-            f"| off (offline pool alone) | {_f(off['engine_output_tok_s'])} | {_f(off['output_tok_s'])} | "
-            f"{off['borrowed']} |",
-            f"| on | {_f(on['engine_output_tok_s'])} | {_f(on['output_tok_s'])} | {on['borrowed']} |", "",
-            f"Lift from borrowing: {_f(lift, 2)}x.", ""]
-
-
-def _div(a, b):
-    return None if a is None or not b else a / b
-
-
-def mixed_section(d: dict) -> list[str]:
-    s, res, fl, r, t = d["setup"], d["results"], d["contention_floor"], d["ratios"], d["targets_met"]
-    lines = [
-        "## Mixed online and offline load (`bench/mixed.py`)", "",
-        f"Online: {s['online']}. Offline: {s['offline']}. Phases (s): {s['phases_s']}; an online request with no "
-        f"token after {s['online_timeout_s']} s, or {s.get('online_drain_s', '-')} s after its phase, is cut off and "
-        f"counts with its wait as its TTFT (a lower bound). The contention floor is the "
-        f"stock two pools with only {s['floor_streams']} offline streams. Single pools: "
-        f"{s.get('single_pools', 'one engine each')}. CPU priority: {s.get('cpu_priority', 'not recorded')}. "
-        f"Whole run {d['wall_s']} s. {_machine(d)}",
-        "",
-        "| set-up | online P50 / P99 TTFT alone (ms) | online P50 / P99 TTFT with offline (ms) | "
-        "online P99 TPOT with offline (ms) | online goodput with offline (req/s) | online timeouts | "
-        "offline tok/s with online | offline tok/s alone | offline borrowed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in SETUPS:
-        v = res[name]
-        a, w = v["online_alone"], v["online_with_offline"]
-        lines.append(f"| {name} | {_f(a['ttft_p50_ms'])} / {_f(a['ttft_p99_ms'])} | {_f(w['ttft_p50_ms'])} / "
-                     f"{_f(w['ttft_p99_ms'])} | {_f(w['tpot_p99_ms'], 1)} | {_f(w['goodput_req_s'], 2)} | "
-                     f"{w['timeouts']} | {_f(v['offline_with_online']['output_tok_s'])} | "
-                     f"{_f(v['offline_alone']['output_tok_s'])} | {v['offline_alone']['borrowed']} |")
-    fw = fl["online_with_offline"]
-    lines += [f"| contention floor | | {_f(fw['ttft_p50_ms'])} / {_f(fw['ttft_p99_ms'])} | "
-              f"{_f(fw['tpot_p99_ms'], 1)} | {_f(fw['goodput_req_s'], 2)} | {fw['timeouts']} | "
-              f"{_f(fl['offline_with_online']['output_tok_s'])} | | |", "",
-              *_poolserve_inside(res["poolserve"]),
-              *_borrowing(res["poolserve"]),
-              "| ratio (poolserve / baseline) | value |", "|---|---:|"]
-    lines += [f"| {k} | {_f(v, 3)} |" for k, v in r.items()]
-    lines += ["", "| target | result |", "|---|---|"]
-    lines += [f"| {k.replace('_', ' ')} | {_yes(v)} |" for k, v in t.items()]
-    lines += ["", "![mixed](images/bench-mixed.png)", ""]
-    return lines
-
-
 def render() -> str:
     """docs/benchmarks.md's text from the results and bench/notes.md (the plots aside)."""
     out = ["# Benchmarks", "",
-           "Generated by `python -m bench.report` from `bench/results/*.json` (`make bench` runs everything and "
+           "Generated by `python -m bench.report` from `bench/results/*.json` (`make bench` runs every benchmark and "
            "then this). Every comparison is measured side by side in one run; figures from different runs are "
            "not comparable on this shared 2-core machine.", ""]
-    o, a, m, c = _load("overhead"), _load("autoscale"), _load("mixed"), _load("ceiling")
+    o, a, c = load("overhead"), load("autoscale"), load("ceiling")
+    out += _provenance(load("make_bench"), {"ceiling": c, "autoscale": a, "overhead": o})
     if c:
         out += ceiling_section(c, _machine(c), RESULTS / "raw" / c["run"])
-    if m:
-        out += mixed_section(m)
     if o:
         out += overhead_section(o)
     if a:
@@ -277,9 +191,19 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
+def _provenance(ran: dict | None, results: dict[str, dict | None]) -> list[str]:
+    """Whether the sections come from one `make bench` run, and how long it took."""
+    runs = {k: d["run"] for k, d in results.items() if d}
+    if ran and all(ran.get(k) == v for k, v in runs.items()):
+        return [f"All sections below come from one `make bench` run ({ran['wall_s']:,} s, measured "
+                f"{ran['machine']['when']}): runs {', '.join(runs.values())}.", ""]
+    return ["The sections below come from separate runs (" + ", ".join(f"{k} {v}" for k, v in runs.items())
+            + "), not from one `make bench`.", ""]
+
+
 def main() -> None:
     IMAGES.mkdir(parents=True, exist_ok=True)
-    o, a = _load("overhead"), _load("autoscale")
+    o, a = load("overhead"), load("autoscale")
     if o:
         plot_overhead(o, IMAGES / "bench-overhead.png")
     if a:

@@ -1,8 +1,11 @@
-"""`make bench`: the autoscaler, mixed and overhead benchmarks in one run (one Ray cluster), then
+"""`make bench`: the ceiling benchmark (the parity flood, the ceiling and concurrency 1, in its
+own process and Ray), then the autoscaler and overhead benchmarks (one Ray), then
 docs/benchmarks.md from their results. `make bench-quick`, for development, runs each autoscaler
-way and the overhead rounds once, leaves the mixed benchmark out (ten minutes alone), keeps its
+way and the overhead rounds once, leaves the ceiling benchmark out (25 minutes alone), keeps its
 results in bench/results/quick/ (not in the repository) and prints its verdicts (inconclusive:
-one run shows nothing of the host's drift); the doc stays as it is.
+one run shows nothing of the host's drift); the doc stays as it is. The mixed benchmark
+(`python -m bench.mixed`) is not part of either: the ceiling's parity flood measures what it
+compared, with repeated rounds and one method per column.
 
     python -m bench.run_all [--quick]
 """
@@ -10,10 +13,14 @@ one run shows nothing of the host's drift); the doc stays as it is.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
 
-from bench import autoscale, mixed, overhead, report, verdicts
-from bench.common import RESULTS, deploy, local_config, ray_cluster, teardown, write_result
+from bench import autoscale, overhead, report, verdicts
+from bench.common import REPO, RESULTS, deploy, local_config, ray_cluster, teardown, write_result
+
+CEILING_SEED = 0  # the flood's and the ceiling's shuffled order (recorded in the result)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     def step(what: str) -> None:
         print(f"[{time.monotonic() - started:5.0f}s] {what}", flush=True)
 
+    if not quick:
+        step("ceiling benchmark")
+        subprocess.run([sys.executable, "-m", "bench.ceiling", "--seed", str(CEILING_SEED)], cwd=REPO, check=True)
     with ray_cluster():
         step("deploy poolserve")
         stack = deploy(local_config())
@@ -35,10 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         scaled = autoscale.run(stack, runs=runs or autoscale.RUNS, results=results)
         write_result("autoscale", scaled, results)
         stack.wait(stack.idle, 300)
-        if quick:
-            teardown("poolserve")
-        else:
-            _mixed(stack, step, started)  # tears poolserve down before the stock set-ups
+        teardown("poolserve")
         step("overhead benchmark")
         try:
             over = overhead.run(*overhead.deployed(), rounds=runs or overhead.ROUNDS, results=results)
@@ -46,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
             teardown("stock-online")
             teardown("poolserve")
         write_result("overhead", over, results)
+    ran = {"wall_s": round(time.monotonic() - started), "quick": quick, "autoscale": scaled["run"],
+           "overhead": over["run"]}
+    if not quick:
+        ran["ceiling"] = report.load("ceiling")["run"]
+    write_result("make_bench", ran, results)
     if quick:
         for f in (verdicts.autoscale_findings(scaled, results / "raw" / scaled["run"])
                   + verdicts.overhead_findings(over, results / "raw" / over["run"])):
@@ -54,18 +66,6 @@ def main(argv: list[str] | None = None) -> None:
         report.main()
     step("done")
     print(f"make bench{'-quick' if quick else ''} took {time.monotonic() - started:.0f}s")
-
-
-def _mixed(stack, step, started: float) -> None:
-    step("mixed: poolserve")
-    endpoints = mixed.Endpoints(**{**mixed.POOLSERVE.__dict__, "admin": stack})
-    setups = {"poolserve": mixed.run_setup("poolserve", endpoints)}
-    teardown("poolserve")  # each set-up runs with only its own engines on the two cores
-    step("mixed: stock two pools and the floor")
-    setups["stock-two-pools"], floor = mixed.run_two_pools(mixed.setup_two_pools("/stock"))
-    step("mixed: single pools")
-    setups.update(mixed.run_single_pools())
-    write_result("mixed", mixed.report(setups, floor, time.monotonic() - started))
 
 
 if __name__ == "__main__":

@@ -7,25 +7,12 @@ import json
 import re
 
 from bench import report, verdicts
-from bench.mixed import targets
 
 RESULTS = report.RESULTS
 
 
 def _load(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-def test_mixed_result_holds_every_set_up_phase_and_target():
-    d = _load("mixed")
-    assert set(d["results"]) == set(report.SETUPS)
-    for name, v in d["results"].items():
-        for phase in ("online_alone", "online_with_offline"):
-            assert {"ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "goodput_req_s", "timeouts"} <= set(v[phase]), name
-        assert v["offline_with_online"]["output_tok_s"] >= 0 and v["offline_alone"]["output_tok_s"] >= 0
-    assert d["contention_floor"]["online_with_offline"]["ttft_p99_ms"] > 0
-    assert d["targets_met"] == targets(d["results"], d["ratios"])  # the verdicts follow from the figures
-    assert len(d["targets_met"]) == 7 and d["setup"]["cpu_priority"]
 
 
 def test_every_overhead_verdict_is_recomputed_from_the_committed_raw_data():
@@ -75,8 +62,15 @@ def test_autoscale_result_holds_its_rounds():
 def test_benchmarks_doc_is_rendered_from_the_committed_results():
     doc = report.DOC.read_text()
     assert doc == report.render(), "run `python -m bench.report`"
-    for target, met in _load("mixed")["targets_met"].items():  # every target says plainly how it went
-        assert f"| {target.replace('_', ' ')} | {report._yes(met)} |" in doc
+
+
+def test_the_doc_says_whether_its_sections_come_from_one_make_bench_run():
+    runs = {"ceiling": {"run": "c1"}, "autoscale": {"run": "a1"}, "overhead": {"run": "o1"}}
+    ran = {"wall_s": 2400, "machine": {"when": "2026-12-03 14:00:00 UTC"}, "ceiling": "c1", "autoscale": "a1",
+           "overhead": "o1"}
+    assert "from one `make bench` run (2,400 s" in report._provenance(ran, runs)[0]
+    for other in (None, {**ran, "overhead": "o0"}):  # no record, or one benchmark run again since
+        assert "separate runs" in report._provenance(other, runs)[0]
 
 
 def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
@@ -101,15 +95,14 @@ def test_every_autoscale_verdict_is_recomputed_from_the_committed_raw_data():
 
 def test_the_plots_the_doc_shows_are_committed():
     images = re.findall(r"!\[[^]]*\]\((images/[^)]+)\)", report.DOC.read_text())
-    assert len(images) == 3
+    assert len(images) == 2
     assert all((report.DOC.parent / path).is_file() for path in images)
 
 
 def test_make_bench_entry_point_and_its_benchmarks_import():
     run_all = importlib.import_module("bench.run_all")  # `make bench` runs its main
     assert callable(run_all.main)
-    used = {"autoscale": ("run",), "overhead": ("run", "deployed"),
-            "mixed": ("run_setup", "setup_two_pools", "run_two_pools", "run_single_pools", "report")}
+    used = {"autoscale": ("run",), "overhead": ("run", "deployed"), "ceiling": ("main",)}
     for module, names in used.items():
         m = importlib.import_module(f"bench.{module}")
         assert all(callable(getattr(m, n)) for n in names), module
