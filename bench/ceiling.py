@@ -28,7 +28,7 @@ Raw data of every round goes to bench/results/raw/<run>/: each request's timings
 generator's JSON lines, `vllm bench serve --save-detailed`), the CPU seconds of every process by
 role (from /proc), and for poolserve its pools' reports sampled every half second.
 
-    python -m bench.ceiling [--rounds 3] [--ceiling-rounds 2] [--seed 0]
+    python -m bench.ceiling [--rounds 3] [--ceiling-rounds 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -345,22 +345,29 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             server.wait(60)
     out["wall_s"] = time.monotonic() - started
     out["targets"] = {k: asdict(v) for k, v in targets.items()}
-    _compress(raw)
+    renamed = _compress(raw)
+    if "profiles" in out:  # a profile large enough to be compressed is recorded under its new name
+        out["profiles"] = {k: renamed.get(v, v) for k, v in out["profiles"].items()}
     return out
 
 
-def _compress(raw: Path, above: int = 64 * 1024) -> None:
-    """Gzip the run's large raw files (per-request detail and profiles run to megabytes)."""
+def _compress(raw: Path, above: int = 64 * 1024, root: Path = REPO) -> dict[str, str]:
+    """Gzip the run's large raw files (per-request detail and profiles run to megabytes); the
+    new name of each, both relative to `root`."""
+    renamed = {}
     for f in raw.iterdir():
         if f.suffix != ".gz" and f.stat().st_size > above:
-            f.with_name(f.name + ".gz").write_bytes(gzip.compress(f.read_bytes(), mtime=0))
+            gz = f.with_name(f.name + ".gz")
+            gz.write_bytes(gzip.compress(f.read_bytes(), mtime=0))
             f.unlink()
+            renamed[str(f.relative_to(root))] = str(gz.relative_to(root))
+    return renamed
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.ceiling")
     p.add_argument("--rounds", type=int, default=3, help="flood rounds per set-up")
-    p.add_argument("--ceiling-rounds", type=int, default=2, help="ceiling rounds per path")
+    p.add_argument("--ceiling-rounds", type=int, default=3, help="ceiling rounds per path")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     write_result("ceiling", run(a.rounds, a.ceiling_rounds, a.seed))

@@ -139,6 +139,8 @@ def test_ceiling_compresses_only_the_large_raw_files(tmp_path):
 
     (tmp_path / "big.json").write_text("x" * 100)
     (tmp_path / "small.json").write_text("y")
-    _compress(tmp_path, above=10)
+    renamed = _compress(tmp_path, above=10, root=tmp_path.parent)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json.gz", "small.json"]
+    # the run records its profiles under these names (a profile past the bound once went missing)
+    assert renamed == {f"{tmp_path.name}/big.json": f"{tmp_path.name}/big.json.gz"}
     assert gzip.decompress((tmp_path / "big.json.gz").read_bytes()) == b"x" * 100
