@@ -88,6 +88,17 @@ def test_decision_table(name, snapshot, state, target, action, code):
     assert (new, reason.action, reason.code) == (target, action, code), reason.text
 
 
+def test_a_hold_in_the_band_names_what_pulled_up():
+    """The band's words name the pull it held back: a standing queue, rejections, or waits."""
+    slow = {"ttft_p99_s": 0.8}
+    pulls = [(snap(queued=5, **slow), PolicyState(8, queue_ticks=3), "a queue of 5 for 4 ticks"),
+             (snap(rejected_total=10, **slow), PolicyState(8, seen_rejected=4), "rejections"),
+             (snap(wait_p99_s=0.65, wait_samples=20, **slow), PolicyState(8), "P99 wait at the gate 650 ms")]
+    for s, state, words in pulls:
+        _, _, reason = decide(s, state, CFG, NOW)
+        assert (reason.code, reason.text) == ("band", f"{words}, but latency is inside the hysteresis band")
+
+
 @settings(max_examples=300, deadline=None)
 @given(target=st.sampled_from(RANGE.ladder[:-1]), queued=st.integers(0, 500), active=st.integers(0, 64),
        replicas=st.integers(1, 4), ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3),
