@@ -217,7 +217,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None
-    nxt = _up_to(steps, state.target, demand(snap)) if direction > 0 else _step(steps, state.target, direction)
+    wanted = demand(snap)
+    nxt = _up_to(steps, state.target, wanted) if direction > 0 else _step(steps, state.target, direction)
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
         return state.target, state, Reason("hold", "range_edge", f"at the {edge} of the safe range: {why}")
@@ -241,7 +242,6 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
-        wanted = demand(snap)
         why += (f"; to {nxt}, which holds the {wanted} sequences running and waiting per replica" if nxt >= wanted
                 else f"; to {nxt}, the top of the safe range ({wanted} sequences running and waiting per replica)")
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)
