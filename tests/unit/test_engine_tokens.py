@@ -1,0 +1,37 @@
+"""A cumulative counter sampled now and then (the engines' generated tokens in the replicas'
+reports): its value and rate, interpolated between samples."""
+
+from __future__ import annotations
+
+from infra.stats import counter_at, counter_rate
+
+SAMPLES = [(0.0, 0), (1.0, 100), (2.0, 300), (3.0, 300)]
+
+
+def test_rate_interpolates_between_samples():
+    assert counter_at(SAMPLES, 1.5) == 200
+    assert counter_rate(SAMPLES, 0.5, 2.0) == (300 - 50) / 1.5
+    assert counter_rate(SAMPLES, 2.0, 3.0) == 0  # nothing generated in a quiet second
+
+
+def test_no_figure_outside_the_samples_or_across_a_restart():
+    restarted = [(0.0, 500), (1.0, 600), (2.0, 10)]  # a replica restarted: its count began again
+    assert counter_rate(restarted, -1.0, 1.5) is None and counter_rate(restarted, 1.5, 5) is None
+    assert counter_rate(restarted, 0.5, 2.0) is None
+
+
+def test_the_calibrate_clis_rate_waits_for_live_replicas_and_drops_gone_ones():
+    import time
+    from types import SimpleNamespace
+
+    from deployments.calibrate_cli import EngineSampler
+
+    admin = SimpleNamespace(pool=lambda name: SimpleNamespace(replicas=[]))
+    sampler = EngineSampler(admin, "p", lag_s=2.0)
+    now = time.monotonic()
+    sampler.tokens = {"a": [(now - 10, 0), (now - 5, 500), (now - 0.5, 950)]}
+    assert sampler.rate(now - 10, now - 5) == 100
+    assert sampler.rate(now - 5, now) is None  # replica a's next report will cover it
+    sampler.tokens["b"] = [(now - 10, 0), (now - 6, 400)]  # replaced 6 s ago: silent for longer than the lag
+    assert sampler.rate(now - 10, now - 6) == 200
+    assert sampler.rate(now - 5, now - 1) == 100  # a alone
