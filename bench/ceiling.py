@@ -67,7 +67,8 @@ ONLINE_RATE = 4.0
 ONLINE_LENGTHS = (40, 32)  # prompt, output tokens
 OFFLINE_OUTSTANDING = 640
 OFFLINE_LENGTHS = (200, 128)
-RAMP_S, FLOOD_S, DRAIN_S = 8, 75, 15  # 300 online requests per round
+RAMP_S, FLOOD_S, DRAIN_S = 8, 80, 15
+ONLINE_SEED = 0  # the same arrivals every round: 305 online requests in FLOOD_S
 ONLINE_TIMEOUT_S = 120
 
 CEILING_LENGTHS = (200, 100)
@@ -129,7 +130,7 @@ def flood_round(t: Target, raw: Path, stack=None) -> dict:
                         "--abandon", "--raw", f"{raw}-offline.jsonl.gz"])
     time.sleep(RAMP_S)
     online = _loadgen(["--url", t.online_url, "--key", t.online_key, "--model", t.online_model,
-                       "--rate", str(ONLINE_RATE), "--prompt", str(ONLINE_LENGTHS[0]),
+                       "--rate", str(ONLINE_RATE), "--seed", str(ONLINE_SEED), "--prompt", str(ONLINE_LENGTHS[0]),
                        "--output", str(ONLINE_LENGTHS[1]), "--warmup", "0", "--duration", str(FLOOD_S),
                        "--drain", str(DRAIN_S), "--timeout", str(ONLINE_TIMEOUT_S),
                        "--raw", f"{raw}-online.jsonl.gz"])

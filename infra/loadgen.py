@@ -44,7 +44,7 @@ import httpx
 
 from infra.results import Result, Run
 from infra.stats import percentile
-from infra.traffic import Lengths, make_prompt, synthetic_lengths, trace_lengths
+from infra.traffic import Lengths, make_prompt, poisson_arrivals, synthetic_lengths, trace_lengths
 
 
 # -- one request --------------------------------------------------------------------
@@ -280,10 +280,7 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
     t0 = time.monotonic()
     horizon = window.warmup_s + window.measure_s
     if rate is not None:
-        times, t = [], rng.expovariate(rate)
-        while t < horizon:  # arrivals inside the window only
-            times.append(t)
-            t += rng.expovariate(rate)
+        times = poisson_arrivals(rate, horizon, rng)
     else:
         times = [a / speedup for a in lengths.arrivals if a / speedup < horizon]
     tasks = []

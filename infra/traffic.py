@@ -79,3 +79,12 @@ def make_prompt(tokens: int, rng: random.Random) -> str:
 
 
 # -- one request --------------------------------------------------------------------
+
+
+def poisson_arrivals(rate: float, horizon_s: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process at `rate` per second, inside [0, horizon_s) only."""
+    times, t = [], rng.expovariate(rate)
+    while t < horizon_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times

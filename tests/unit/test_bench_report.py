@@ -68,9 +68,20 @@ def test_the_doc_says_whether_its_sections_come_from_one_make_bench_run():
     runs = {"ceiling": {"run": "c1"}, "autoscale": {"run": "a1"}, "overhead": {"run": "o1"}}
     ran = {"wall_s": 2400, "machine": {"when": "2026-12-03 14:00:00 UTC"}, "ceiling": "c1", "autoscale": "a1",
            "overhead": "o1"}
-    assert "from one `make bench` run (2,400 s" in report._provenance(ran, runs)[0]
+    assert "sections below come from one `make bench` run (2,400 s" in report._provenance(ran, runs)[0]
     for other in (None, {**ran, "overhead": "o0"}):  # no record, or one benchmark run again since
         assert "separate runs" in report._provenance(other, runs)[0]
+    assert report._provenance(ran, {"ceiling": None}) == []
+
+
+def test_every_flood_round_schedules_at_least_300_online_requests():
+    """Issue 20's floor for a P99 under the flood, with the seed the online load generator uses."""
+    import random
+
+    from bench.ceiling import FLOOD_S, ONLINE_RATE, ONLINE_SEED
+    from infra.traffic import poisson_arrivals
+
+    assert len(poisson_arrivals(ONLINE_RATE, FLOOD_S, random.Random(ONLINE_SEED))) >= 300
 
 
 def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
