@@ -192,13 +192,16 @@ def render() -> str:
 
 
 def _provenance(ran: dict | None, results: dict[str, dict | None]) -> list[str]:
-    """Whether the sections come from one `make bench` run, and how long it took."""
+    """Whether the benchmarks' sections come from one `make bench` run, and how long it took."""
     runs = {k: d["run"] for k, d in results.items() if d}
+    if not runs:
+        return []
     if ran and all(ran.get(k) == v for k, v in runs.items()):
-        return [f"All sections below come from one `make bench` run ({ran['wall_s']:,} s, measured "
-                f"{ran['machine']['when']}): runs {', '.join(runs.values())}.", ""]
-    return ["The sections below come from separate runs (" + ", ".join(f"{k} {v}" for k, v in runs.items())
-            + "), not from one `make bench`.", ""]
+        return [f"The {', '.join(runs)} sections below come from one `make bench` run ({ran['wall_s']:,} s, "
+                f"measured {ran['machine']['when']}): runs {', '.join(runs.values())}. The notes after them tell "
+                "of other runs.", ""]
+    return [f"The {', '.join(runs)} sections below come from separate runs ("
+            + ", ".join(f"{k} {v}" for k, v in runs.items()) + "), not from one `make bench`.", ""]
 
 
 def main() -> None:

@@ -3,9 +3,7 @@ own process and Ray), then the autoscaler and overhead benchmarks (one Ray), the
 docs/benchmarks.md from their results. `make bench-quick`, for development, runs each autoscaler
 way and the overhead rounds once, leaves the ceiling benchmark out (25 minutes alone), keeps its
 results in bench/results/quick/ (not in the repository) and prints its verdicts (inconclusive:
-one run shows nothing of the host's drift); the doc stays as it is. The mixed benchmark
-(`python -m bench.mixed`) is not part of either: the ceiling's parity flood measures what it
-compared, with repeated rounds and one method per column.
+one run shows nothing of the host's drift); the doc stays as it is.
 
     python -m bench.run_all [--quick]
 """
