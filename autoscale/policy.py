@@ -173,8 +173,12 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preem
         and snap.kv_usage <= cfg.headroom * cfg.kv_watermark
     )
     if not headroom_ok:
-        pull = ("rejections" if new_rejects else f"a queue of {snap.queued} for {queue_ticks} ticks" if queue_persists
-                else f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms")
+        if new_rejects:
+            pull = f"{new_rejects} rejections"
+        elif queue_persists:
+            pull = f"a queue of {snap.queued} for {queue_ticks} ticks"
+        else:
+            pull = f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
         return 0, "band", f"{pull}, but latency is inside the hysteresis band"
     if new_rejects:
         return +1, "rejections", f"{new_rejects} rejections with latency headroom"

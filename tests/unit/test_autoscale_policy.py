@@ -92,7 +92,7 @@ def test_a_hold_in_the_band_names_what_pulled_up():
     """The band's words name the pull it held back: a standing queue, rejections, or waits."""
     slow = {"ttft_p99_s": 0.8}
     pulls = [(snap(queued=5, **slow), PolicyState(8, queue_ticks=3), "a queue of 5 for 4 ticks"),
-             (snap(rejected_total=10, **slow), PolicyState(8, seen_rejected=4), "rejections"),
+             (snap(rejected_total=10, **slow), PolicyState(8, seen_rejected=4), "6 rejections"),
              (snap(wait_p99_s=0.65, wait_samples=20, **slow), PolicyState(8), "P99 wait at the gate 650 ms")]
     for s, state, words in pulls:
         _, _, reason = decide(s, state, CFG, NOW)
