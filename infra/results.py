@@ -3,6 +3,7 @@ measurement window, and its `Summary` (the formulas are in `infra.loadgen`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from infra.stats import percentile
@@ -93,6 +94,7 @@ class Summary:
     loop_lag_ms: dict = field(default_factory=dict)
     window_start: float | None = None  # time.monotonic(): one clock for every process on the host
     server_timing_ms: dict = field(default_factory=dict)  # poolserve's steps to the first token: p50/p99 each
+    errors: dict = field(default_factory=dict)  # "status: message" -> count, every failure but a 429
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -144,4 +146,5 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         loop_lag_ms=loop_lag or {},
         server_timing_ms={step: _pcts([r.server_timing[step] / 1e3 for r in ok if step in r.server_timing])
                           for step in dict.fromkeys(k for r in ok for k in r.server_timing)},
+        errors=dict(Counter(f"{r.status}: {r.error}" for r in results if not r.ok and r.status != 429)),
     )

@@ -142,7 +142,7 @@ def _overload(stack, seconds: float) -> dict:
     stack.wait_idle(pool)
     after = _ttft_p50(stack)
     figures = {"capacity_req_s": capacity, "offered_req_s": rate, "seconds": seconds, "sent": res["requests"],
-               "completed": res["completed"], "statuses": res["statuses"],
+               "completed": res["completed"], "statuses": res["statuses"], "errors": res["errors"],
                "rejected_without_retry_after": res["rejected_without_retry_after"],
                "peak_queue": peak_queue, "peak_queued_tokens": peak_tokens, "queue_samples": samples,
                "ttft_p50_before_ms": before * 1e3, "ttft_p50_after_ms": after * 1e3}
@@ -155,7 +155,7 @@ def _check_overload(stack, f: dict) -> None:
     accepted = f["statuses"].get("200", 0)
     rejected = f["statuses"].get("429", 0)
     assert set(f["statuses"]) <= {"200", "429"}, f["statuses"]  # nothing else: no 5xx, no timeouts
-    assert accepted == f["completed"]  # every accepted request completed
+    assert accepted == f["completed"], f["errors"]  # every accepted request completed
     assert rejected > 0 and f["rejected_without_retry_after"] == 0
     assert f["peak_queue"] <= q.max_queued  # the queue stayed bounded
     assert f["ttft_p50_after_ms"] <= max(3 * f["ttft_p50_before_ms"], f["ttft_p50_before_ms"] + 100)

@@ -58,6 +58,7 @@ def test_requests_running_past_the_drain_are_cut_off_as_timeouts(fake):
     # the hung requests count in the TTFT tail at their wait, so it is not hidden
     assert summary["ttft_ms_with_timeouts"]["n"] == len(run.results)
     assert summary["ttft_ms_with_timeouts"]["p99"] >= 500
+    assert summary["errors"] == {"200: timeout": len(hung)}  # every failure named, with its status
 
 
 def test_without_a_drain_everything_is_awaited(fake):
