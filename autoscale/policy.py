@@ -172,21 +172,18 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preem
         and (tpot is None or tpot <= cfg.headroom * cfg.tpot_slo_s)
         and snap.kv_usage <= cfg.headroom * cfg.kv_watermark
     )
-    if not headroom_ok:
-        if new_rejects:
-            pull = f"{new_rejects} rejections"
-        elif queue_persists:
-            pull = f"a queue of {snap.queued} for {queue_ticks} ticks"
-        else:
-            pull = f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
-        return 0, "band", f"{pull}, but latency is inside the hysteresis band"
     if new_rejects:
-        return +1, "rejections", f"{new_rejects} rejections with latency headroom"
-    if queue_persists:
-        return +1, "queue", f"queue of {snap.queued} for {queue_ticks} ticks with latency headroom"
-    return +1, "wait", (f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms and P99 engine TTFT "
-                        f"{(ttft or 0.0) * 1e3:.0f} ms: clients' first tokens above {cfg.headroom:g}x the SLO "
-                        f"{cfg.ttft_slo_s * 1e3:.0f} ms while the engine has headroom")
+        code, pull = "rejections", f"{new_rejects} rejections"
+    elif queue_persists:
+        code, pull = "queue", f"a queue of {snap.queued} for {queue_ticks} ticks"
+    else:
+        code, pull = "wait", f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
+    if not headroom_ok:
+        return 0, "band", f"{pull}, but latency is inside the hysteresis band"
+    if code != "wait":
+        return +1, code, f"{pull} with latency headroom"
+    return +1, code, (f"{pull} and P99 engine TTFT {(ttft or 0.0) * 1e3:.0f} ms: clients' first tokens above "
+                      f"{cfg.headroom:g}x the SLO {cfg.ttft_slo_s * 1e3:.0f} ms while the engine has headroom")
 
 
 def _waits_near_the_slo(snap: PoolSnapshot, cfg: PolicyConfig) -> bool:
@@ -221,7 +218,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None
-    wanted = demand(snap)
+    wanted = demand(snap) if direction > 0 else 0
     nxt = _up_to(steps, state.target, wanted) if direction > 0 else _step(steps, state.target, direction)
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
