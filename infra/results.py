@@ -121,6 +121,7 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
     """`results`: the requests whose latencies count; `completed`: those whose tokens count
     towards throughput (default: the successful ones among `results`)."""
     ok = [r for r in results if r.ok]
+    errors = Counter(f"{r.status}: {r.error}" for r in results if not r.ok and r.status != 429)
     done = ok if completed is None else completed
     n = max(1, len(results))
     good = None
@@ -133,7 +134,7 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         input_tok_per_s=sum(r.prompt_tokens for r in done) / duration_s,
         output_tok_per_s=sum(r.output_tokens for r in done) / duration_s,
         goodput_req_per_s=good,
-        error_rate=sum(1 for r in results if not r.ok and r.status != 429) / n,
+        error_rate=sum(errors.values()) / n,
         rejection_rate=sum(1 for r in results if r.status == 429) / n,
         ttft_ms=_pcts([r.ttft for r in ok if r.ttft is not None]),
         tpot_ms=_pcts([r.tpot for r in ok if r.tpot is not None]),
@@ -146,5 +147,5 @@ def summarize(results: list[Result], duration_s: float, ttft_slo_s: float | None
         loop_lag_ms=loop_lag or {},
         server_timing_ms={step: _pcts([r.server_timing[step] / 1e3 for r in ok if step in r.server_timing])
                           for step in dict.fromkeys(k for r in ok for k in r.server_timing)},
-        errors=dict(Counter(f"{r.status}: {r.error}" for r in results if not r.ok and r.status != 429)),
+        errors=dict(errors),
     )
