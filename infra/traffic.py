@@ -78,8 +78,7 @@ def make_prompt(tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens)))
 
 
-# -- one request --------------------------------------------------------------------
-
+# -- arrivals ---------------------------------------------------------------------
 
 def poisson_arrivals(rate: float, horizon_s: float, rng: random.Random) -> list[float]:
     """Arrival times of a Poisson process at `rate` per second, inside [0, horizon_s) only."""

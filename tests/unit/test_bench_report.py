@@ -11,12 +11,8 @@ from bench import report, verdicts
 RESULTS = report.RESULTS
 
 
-def _load(name: str) -> dict:
-    return json.loads((RESULTS / f"{name}.json").read_text())
-
-
 def test_every_overhead_verdict_is_recomputed_from_the_committed_raw_data():
-    d = _load("overhead")
+    d = report.load("overhead")
     assert d["setup"]["prompts"] == [128, 1024, 4096] and d["setup"]["rounds"] >= 3
     raw = RESULTS / "raw" / d["run"]
     assert {r["router_prompt_tokens"] >= 4096 for r in verdicts.overhead_pairs(raw) if r["prompt"] == 4096} == {True}
@@ -53,7 +49,7 @@ def test_overhead_findings_follow_the_paired_differences(tmp_path):
 
 
 def test_autoscale_result_holds_its_rounds():
-    a = _load("autoscale")
+    a = report.load("autoscale")
     runs = {w: sum(r["way"] == w for r in a["rounds"]) for w in ("autoscaled", "static-low", "static-high")}
     assert min(runs.values()) >= 3 and a["order"] == [r["way"] for r in a["rounds"]], runs
     assert a["setup"]["safe_range"][0] in {v for r in a["rounds"] if r["way"] == "autoscaled" for _, v in r["limits"]}
@@ -85,7 +81,7 @@ def test_every_flood_round_schedules_at_least_300_online_requests():
 
 
 def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
-    d = _load("ceiling")
+    d = report.load("ceiling")
     raw = RESULTS / "raw" / d["run"]
     assert (raw / "partial.json").exists(), "a run's record stays beside its raw data"
     found = verdicts.findings(d, raw)
@@ -96,7 +92,7 @@ def test_every_ceiling_verdict_is_recomputed_from_the_committed_raw_data():
 
 
 def test_every_autoscale_verdict_is_recomputed_from_the_committed_raw_data():
-    d = _load("autoscale")
+    d = report.load("autoscale")
     found = verdicts.autoscale_findings(d, RESULTS / "raw" / d["run"])
     assert len(found) == 3 * len(d["setup"]["phases"])  # goodput, P99 TTFT, P99 TPOT in every phase
     doc = report.DOC.read_text()
@@ -120,7 +116,7 @@ def test_make_bench_entry_point_and_its_benchmarks_import():
 
 
 def test_ceiling_result_keeps_its_raw_data_in_the_repository():
-    d = _load("ceiling")
+    d = report.load("ceiling")
     raw = RESULTS / "raw" / d["run"]
     assert raw.is_dir() and {r["path"] for r in d["ceiling"]} >= {"raw-engine", "vllm-server", "poolserve"}
     assert all(r["output_tok_s"] > 0 for r in d["ceiling"])
