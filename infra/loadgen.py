@@ -45,6 +45,7 @@ import httpx
 from infra.results import Result, Run
 from infra.stats import percentile
 from infra.traffic import Lengths, make_prompt, poisson_arrivals, synthetic_lengths, trace_lengths
+from infra.wire import parse_server_timing, sse_lines
 
 
 # -- one request --------------------------------------------------------------------
@@ -93,7 +94,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
                     res.output_tokens = usage.get("completion_tokens", 0)
                     res.e2e = time.monotonic() - res.start
                 return res
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -112,22 +113,6 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: str, max_token
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
-
-
-def parse_server_timing(header: str) -> dict[str, float]:
-    """`router;dur=4.1, reach;dur=6.0` -> {"router": 4.1, "reach": 6.0}; entries without a
-    duration are left out."""
-    out = {}
-    for entry in header.split(","):
-        name, _, params = entry.strip().partition(";")
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if name and key == "dur":
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    pass
-    return out
 
 
 def _has_token(chunk: dict) -> bool:

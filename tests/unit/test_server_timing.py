@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infra.loadgen import parse_server_timing
+from infra.wire import parse_server_timing
 from router.stream import Settlement
 from tests.unit.router_harness import TENANTS
 

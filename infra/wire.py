@@ -1,0 +1,41 @@
+"""What the load generator reads off the wire: a server-sent event stream's lines, and the
+`Server-Timing` header poolserve's route writes."""
+
+from __future__ import annotations
+
+import re
+from typing import AsyncIterator
+
+import httpx
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """A server-sent event stream's lines. They end at CR, LF or CRLF only, as the SSE format
+    says: a JSON chunk may hold U+0085, U+2028 or U+2029 unescaped (vLLM's do), which httpx's
+    `aiter_lines` takes for line ends. A whole line is whole UTF-8 (no multi-byte character
+    holds a CR or LF byte)."""
+    rest = b""
+    async for chunk in resp.aiter_bytes():
+        *lines, rest = _LINE_END.split(rest + chunk)  # a CRLF cut in two gives an empty line: harmless
+        for line in lines:
+            yield line.decode()
+    if rest:
+        yield rest.decode()
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """`router;dur=4.1, reach;dur=6.0` -> {"router": 4.1, "reach": 6.0}; entries without a
+    duration are left out."""
+    out = {}
+    for entry in header.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if name and key == "dur":
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+    return out

@@ -1,0 +1,57 @@
+"""The load generator reads a stream as the SSE format says: lines end at CR, LF or CRLF only.
+
+vLLM writes its chunks with pydantic, which leaves U+0085, U+2028 and U+2029 unescaped; a reader
+that splits on every Unicode line break (httpx's `aiter_lines`) cut such a chunk in two and
+counted a whole answer as a broken stream. The tiny model's byte-level tokens can spell them."""
+
+import asyncio
+import json
+import random
+
+import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infra import loadgen
+from infra.loadgen import Target
+
+
+def _body(texts: list[str], crlf: bool) -> bytes:
+    end = "\r\n\r\n" if crlf else "\n\n"
+    chunks = [{"choices": [{"index": 0, "text": t}]} for t in texts]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(texts)}})
+    events = "".join(f"data: {json.dumps(c, ensure_ascii=False)}{end}" for c in chunks)
+    return (events + f"data: [DONE]{end}").encode()
+
+
+def _send(body: bytes, cuts: list[int]) -> loadgen.Result:
+    """`send` against a server that writes `body` in pieces cut at `cuts` (inside characters too)."""
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for p in pieces:
+                yield p
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Body()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await loadgen.send(client, Target("http://x/v1", "k"), "hi", len(pieces))
+    return asyncio.run(go())
+
+
+def test_a_chunk_holding_unicode_line_separators_is_one_line():
+    res = _send(_body(["a\u0085b", "\u2028", "c\u2029d"], crlf=False), [])
+    assert res.ok, res.error
+    assert res.output_tokens == 3 and res.ttft is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.text(min_size=1), min_size=1, max_size=6), crlf=st.booleans(), seed=st.integers(0, 2**32))
+def test_any_text_cut_anywhere_arrives_whole(texts, crlf, seed):
+    body = _body(texts, crlf)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 12))))
+    res = _send(body, cuts)
+    assert res.ok, res.error
+    assert res.output_tokens == len(texts) and res.prompt_tokens == 3
