@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
 
-from infra.batchfile import BatchRequest, completed_ids, read_input, result_line
+from infra.batchfile import BatchRequest, completed_ids, jsonl_lines, read_input, result_line
 
 RETRY_STATUSES = {429, 503}
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print("batch: no tenant key: set POOLSERVE_KEY or pass --key-file", file=sys.stderr)
         return 2
-    requests, problems = read_input(Path(a.input).read_text().splitlines())
+    requests, problems = read_input(jsonl_lines(Path(a.input).read_text()))
     if problems:
         print(f"batch: {a.input} has {len(problems)} problem(s):", file=sys.stderr)
         for prob in problems:

@@ -33,7 +33,8 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     try:
         item = json.loads(text)
     except ValueError as e:
-        return LineProblem(number, f"not valid JSON ({e.msg} at column {e.colno})")
+        # json's "Unterminated string starting at" names the column itself
+        return LineProblem(number, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
     if not isinstance(item, dict):
         return LineProblem(number, "must be a JSON object with custom_id, method, url and body")
     cid = item.get("custom_id")
@@ -48,6 +49,15 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     if not isinstance(body, dict):
         return LineProblem(number, "body must be a JSON object (the request body)")
     return BatchRequest(number, cid, ENDPOINTS[url], body)
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """A JSON Lines text's lines: they end at LF (or CRLF) only. A JSON string may hold U+0085,
+    U+2028 or U+2029 unescaped, which `str.splitlines` takes for line ends."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def read_input(lines: list[str]) -> tuple[list[BatchRequest], list[LineProblem]]:
@@ -79,7 +89,7 @@ def completed_ids(path: Path) -> set[str]:
             f.truncate(keep)
         data = data[:keep]
     done = set()
-    for line in data.decode().splitlines():
+    for line in jsonl_lines(data.decode()):
         if line.strip():
             done.add(json.loads(line)["custom_id"])
     return done

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from infra.batchfile import read_input
+from infra.batchfile import jsonl_lines, read_input
 from router.auth import Auth, bearer
 from router.body import BodyLimits, read_json
 from router.config import TenantConfig
@@ -67,7 +67,7 @@ class BatchApi:
 
     def _check_batch_file(self, content: bytes) -> None:
         try:
-            lines = content.decode().splitlines()
+            lines = jsonl_lines(content.decode())
         except UnicodeDecodeError as e:
             raise ApiError(400, "invalid_file", f"the file is not UTF-8 text (byte {e.start})", "file") from None
         requests, problems = read_input(lines)

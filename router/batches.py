@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from infra.batchfile import ENDPOINTS, read_input
+from infra.batchfile import ENDPOINTS, jsonl_lines, read_input
 from router.errors import ApiError
 from router.files import FileStore, page, tenant_dir, write_whole
 
@@ -134,7 +134,7 @@ class Batches:
 
     def _validate(self, record: dict, key: str) -> None:
         path = self._files.content_path(record["_tenant"], record["input_file_id"])
-        lines = path.read_text(errors="replace").splitlines()
+        lines = jsonl_lines(path.read_text(errors="replace"))
         requests, problems = read_input(lines)
         url = {v: k for k, v in ENDPOINTS.items()}
         problems += [f"line {r.line}: url {url[r.endpoint]!r} differs from the batch's endpoint "

@@ -145,6 +145,19 @@ async def test_a_bad_file_is_refused_naming_its_lines_and_nothing_is_kept(api, t
 
 
 @sync
+async def test_a_prompt_holding_unicode_line_separators_stays_one_line(api):
+    """JSON may hold U+0085, U+2028 and U+2029 unescaped; JSON Lines end at LF (or CRLF) only."""
+    app, _, _ = api
+    client = sdk(app, "b")
+    content = "".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "m", "prompt": f"a{sep}b", "max_tokens": 4}},
+                                 ensure_ascii=False) + "\r\n" for i, sep in enumerate("\u0085\u2028\u2029"))
+    f = await client.files.create(file=("in.jsonl", content.encode()), purpose="batch")
+    b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert b.status == "in_progress" and b.request_counts.total == 3
+
+
+@sync
 async def test_batches_need_the_batch_pool_and_known_fields(api):
     app, _, _ = api
     with pytest.raises(openai.PermissionDeniedError) as e:

@@ -8,9 +8,12 @@ import random
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deployments.batch_job import Progress, RetryPolicy, retry_after_of, run_one
-from infra.batchfile import BatchRequest, LineProblem, completed_ids, parse_line, read_input, result_line
+from infra.batchfile import (BatchRequest, LineProblem, completed_ids, jsonl_lines, parse_line, read_input,
+                             result_line)
 
 
 def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:
@@ -21,6 +24,7 @@ def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:
 
 @pytest.mark.parametrize("text, fragment", [
     ("{not json", "not valid JSON"),
+    ('{"custom_id": "a', "(Unterminated string starting at column 15)"),
     ("[1]", "must be a JSON object"),
     (line(cid=""), "custom_id must be a non-empty string"),
     (line(cid=7), "custom_id must be a non-empty string"),
@@ -46,6 +50,19 @@ def test_read_input_reports_every_problem_with_line_numbers():
         "line 2: not valid JSON (Expecting value at column 1)",
         "line 5: duplicate custom_id 'a' (first on line 1)",
     ]
+
+
+@given(prompts=st.lists(st.text(), min_size=1, max_size=8), crlf=st.booleans(), last_newline=st.booleans())
+def test_any_prompt_written_as_json_lines_reads_back_whole(prompts, crlf, last_newline):
+    """JSON may hold U+0085, U+2028 and U+2029 unescaped (`ensure_ascii=False`): they are not line
+    ends in JSON Lines, where `str.splitlines` would cut a line in two."""
+    end = "\r\n" if crlf else "\n"
+    text = end.join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"prompt": p}}, ensure_ascii=False) for i, p in enumerate(prompts))
+    requests, problems = read_input(jsonl_lines(text + (end if last_newline else "")))
+    assert problems == []
+    assert [r.body["prompt"] for r in requests] == prompts and [r.line for r in requests] == list(
+        range(1, len(prompts) + 1))
 
 
 def test_resume_skips_written_ids_and_cuts_a_partial_last_line(tmp_path):

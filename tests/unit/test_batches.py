@@ -232,6 +232,15 @@ def test_lines_for_another_endpoint_fail_the_batch_naming_them(world):
     assert b["errors"]["data"][0]["line"] == 2 and "/v1/chat/completions" in b["errors"]["data"][0]["message"]
 
 
+def test_a_prompt_holding_a_unicode_line_separator_is_one_request(world):
+    _, runner, service, files = world
+    line = json.dumps({"custom_id": "req-0", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "a\u2028b\u0085c", "max_tokens": 4}}, ensure_ascii=False)
+    fid = files.create("acme", "in.jsonl", "batch", (line + "\n" + _line(1) + "\n").encode())["id"]
+    b = service().create("acme", "sk", fid, "/v1/completions", "24h")
+    assert b["status"] == "in_progress" and b["request_counts"]["total"] == 2 and len(runner.jobs) == 1
+
+
 def test_an_output_file_cannot_be_a_batchs_input(world):
     _, _, service, files = world
     fid = files.create("acme", "out.jsonl", "batch_output", b"{}\n")["id"]
