@@ -12,17 +12,21 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
-    """A server-sent event stream's lines. They end at CR, LF or CRLF only, as the SSE format
-    says: a JSON chunk may hold U+0085, U+2028 or U+2029 unescaped (vLLM's do), which httpx's
-    `aiter_lines` takes for line ends. A whole line is whole UTF-8 (no multi-byte character
-    holds a CR or LF byte)."""
+    """A server-sent event stream's lines. They end at CR, LF or CRLF only, the SSE format's line
+    ends: a JSON chunk may hold U+0085, U+2028 or U+2029 unescaped (vLLM's do), which httpx's
+    `aiter_lines` takes for line ends too. A whole line is whole UTF-8 (no multi-byte character
+    holds a CR or LF byte); bytes that are not UTF-8 are replaced, as httpx does."""
     rest = b""
     async for chunk in resp.aiter_bytes():
-        *lines, rest = _LINE_END.split(rest + chunk)  # a CRLF cut in two gives an empty line: harmless
+        data = rest + chunk
+        held = data.endswith(b"\r")  # the first half of a CRLF, maybe: wait for the next byte
+        *lines, rest = _LINE_END.split(data[:-1] if held else data)
+        if held:
+            rest += b"\r"
         for line in lines:
-            yield line.decode()
+            yield line.decode(errors="replace")
     if rest:
-        yield rest.decode()
+        yield rest.removesuffix(b"\r").decode(errors="replace")
 
 
 def parse_server_timing(header: str) -> dict[str, float]:

@@ -9,11 +9,12 @@ import json
 import random
 
 import httpx
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from infra import loadgen
 from infra.loadgen import Target
+from infra.wire import sse_lines
 
 
 def _body(texts: list[str], crlf: bool) -> bytes:
@@ -55,3 +56,26 @@ def test_any_text_cut_anywhere_arrives_whole(texts, crlf, seed):
     res = _send(body, cuts)
     assert res.ok, res.error
     assert res.output_tokens == len(texts) and res.prompt_tokens == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.text().filter(lambda t: "\r" not in t and "\n" not in t), max_size=6),
+       ends=st.lists(st.sampled_from(["\n", "\r\n", "\r"]), min_size=6, max_size=6), seed=st.integers(0, 2**32))
+def test_the_lines_do_not_depend_on_where_the_stream_is_cut(lines, ends, seed):
+    pairs = list(zip(lines, ends))
+    # a CR that ends a line, then an empty line ended by LF, is one CRLF to any reader
+    assume(not any(e == "\r" and nxt == "" and nxt_end.startswith("\n")
+                   for (_, e), (nxt, nxt_end) in zip(pairs, pairs[1:])))
+    body = "".join(line + end for line, end in pairs).encode()
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(body)), min(max(len(body) - 1, 0), rng.randint(0, 12)))) if body else []
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for p in pieces:
+                yield p
+
+    async def read():
+        return [line async for line in sse_lines(httpx.Response(200, stream=Body()))]
+    assert asyncio.run(read()) == lines
