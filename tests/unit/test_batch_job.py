@@ -8,7 +8,7 @@ import random
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.batch_job import Progress, RetryPolicy, retry_after_of, run_one
@@ -52,6 +52,7 @@ def test_read_input_reports_every_problem_with_line_numbers():
     ]
 
 
+@settings(deadline=None)
 @given(prompts=st.lists(st.text(), min_size=1, max_size=8), crlf=st.booleans(), last_newline=st.booleans())
 def test_any_prompt_written_as_json_lines_reads_back_whole(prompts, crlf, last_newline):
     """JSON may hold U+0085, U+2028 and U+2029 unescaped (`ensure_ascii=False`): they are not line

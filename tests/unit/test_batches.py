@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.batchfile import completed_ids, read_input, result_line
+from infra.batchfile import completed_ids, jsonl_lines, read_input, result_line
 from router.batches import TERMINAL, Batches, BatchSettings
 from router.errors import ApiError
 from router.files import FileStore
@@ -55,7 +55,7 @@ class FakeRunner:
         """Let the job answer `n` more lines (all, when None), then end in state `then`."""
         job = self.jobs[job_id]
         assert job["state"] == "RUNNING", "only a running job answers"
-        requests, _ = read_input(job["input"].read_text().splitlines())
+        requests, _ = read_input(jsonl_lines(job["input"].read_bytes().decode()))
         done = completed_ids(job["output"])
         todo = [r for r in requests if r.custom_id not in done][:n]
         with job["output"].open("a") as f:
