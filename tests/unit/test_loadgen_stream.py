@@ -25,24 +25,31 @@ def _body(texts: list[str], crlf: bool) -> bytes:
     return (events + f"data: [DONE]{end}").encode()
 
 
-def _send(body: bytes, cuts: list[int]) -> loadgen.Result:
-    """`send` against a server that writes `body` in pieces cut at `cuts` (inside characters too)."""
-    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+class _Cut(httpx.AsyncByteStream):
+    """`body` written in up to 13 pieces cut at random bytes (inside characters too); none with `seed=None`."""
 
-    class Body(httpx.AsyncByteStream):
-        async def __aiter__(self):
-            for p in pieces:
-                yield p
+    def __init__(self, body: bytes, seed: int | None) -> None:
+        rng = random.Random(seed)
+        n = 0 if seed is None or len(body) < 2 else min(len(body) - 1, rng.randint(0, 12))
+        cuts = sorted(rng.sample(range(1, len(body)), n))
+        self.pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
 
+    async def __aiter__(self):
+        for p in self.pieces:
+            yield p
+
+
+def _send(body: bytes, seed: int | None = None) -> loadgen.Result:
+    """`send` against a server that writes `body` cut into pieces."""
     async def go():
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=Body()))
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=_Cut(body, seed)))
         async with httpx.AsyncClient(transport=transport) as client:
-            return await loadgen.send(client, Target("http://x/v1", "k"), "hi", len(pieces))
+            return await loadgen.send(client, Target("http://x/v1", "k"), "hi", 8)
     return asyncio.run(go())
 
 
 def test_a_chunk_holding_unicode_line_separators_is_one_line():
-    res = _send(_body(["a\u0085b", "\u2028", "c\u2029d"], crlf=False), [])
+    res = _send(_body(["a\u0085b", "\u2028", "c\u2029d"], crlf=False))
     assert res.ok, res.error
     assert res.output_tokens == 3 and res.ttft is not None
 
@@ -50,10 +57,7 @@ def test_a_chunk_holding_unicode_line_separators_is_one_line():
 @settings(max_examples=200, deadline=None)
 @given(texts=st.lists(st.text(min_size=1), min_size=1, max_size=6), crlf=st.booleans(), seed=st.integers(0, 2**32))
 def test_any_text_cut_anywhere_arrives_whole(texts, crlf, seed):
-    body = _body(texts, crlf)
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 12))))
-    res = _send(body, cuts)
+    res = _send(_body(texts, crlf), seed)
     assert res.ok, res.error
     assert res.output_tokens == len(texts) and res.prompt_tokens == 3
 
@@ -67,15 +71,7 @@ def test_the_lines_do_not_depend_on_where_the_stream_is_cut(lines, ends, seed):
     assume(not any(e == "\r" and nxt == "" and nxt_end.startswith("\n")
                    for (_, e), (nxt, nxt_end) in zip(pairs, pairs[1:])))
     body = "".join(line + end for line, end in pairs).encode()
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(body)), min(max(len(body) - 1, 0), rng.randint(0, 12)))) if body else []
-    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
-
-    class Body(httpx.AsyncByteStream):
-        async def __aiter__(self):
-            for p in pieces:
-                yield p
 
     async def read():
-        return [line async for line in sse_lines(httpx.Response(200, stream=Body()))]
+        return [line async for line in sse_lines(httpx.Response(200, stream=_Cut(body, seed)))]
     assert asyncio.run(read()) == lines
