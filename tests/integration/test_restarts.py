@@ -102,15 +102,18 @@ def _killed_mid_stream(stack, pool: str) -> None:
 
     def served(path: str):
         t0 = time.monotonic()
+        # Serve holds a request on the pool's own path (not the router's /v1) until the replacement
+        # has started its engine, which takes as long as this machine takes: wait out any start
+        held = not path.startswith("/v1/")
         try:
             r = httpx.post(f"{stack.base_url}{path}", headers={"Authorization": f"Bearer {KEYS['batch']}"},
-                           json={"prompt": "after the crash", "max_tokens": 4}, timeout=60)
+                           json={"prompt": "after the crash", "max_tokens": 4}, timeout=600 if held else 60)
             answers.append((path, r.status_code, r.headers.get("retry-after"), time.monotonic() - t0, r.text[:200]))
             return r.status_code == 200
         except httpx.HTTPError as e:
             answers.append((path, 0, None, time.monotonic() - t0, repr(e)))
             return False
-    wait_for(lambda: served("/v1/completions") & served("/offline/v1/completions"), 300, interval=3,
+    wait_for(lambda: served("/v1/completions") & served("/offline/v1/completions"), 600, interval=3,
              what="a replacement replica to serve")
     print(f"\nduring the restart: {[(p, s, ra, round(t, 1), x[:80]) for p, s, ra, t, x in answers]}")
     for path, status, retry_after, took, text in answers[:-2]:

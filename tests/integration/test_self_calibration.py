@@ -58,6 +58,7 @@ def _batch_burst(n: int) -> list[int]:
         return list(ex.map(one, range(n)))
 
 
+@pytest.mark.timeout(1800)  # two starts and a sweep, on a slow host too
 def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
     from deployments.admin_client import AdminClient
 
@@ -99,9 +100,12 @@ def test_the_embedded_default_calibrates_itself_on_a_new_machine(tmp_path):
         assert max(peaks) >= max(16, step + 1), (step, peaks)
         print(f"\nburst of 48 during step at {step}: {time.monotonic() - burst_from:.1f} s, active {peaks}")
 
-        left = 300 - (time.monotonic() - started)
+        # The sweep measures each step until it is steady, so its length is the host's speed: under
+        # 5 minutes on the 2-core development host at its usual speed, over 5 when it ran three times
+        # slower. The bound catches a sweep that never ends, on a host of any speed.
+        left = 900 - (time.monotonic() - started)
         status = wait_for(lambda: (s := _status(admin)) and all(p.calibration.state == "profile" for p in s.values())
-                          and s, max(left, 1), interval=1, what="both pools calibrated within 5 minutes of the start")
+                          and s, max(left, 1), interval=1, what="both pools calibrated within 15 minutes of the start")
         for name, s in status.items():
             assert "sweep of this set-up" in s.calibration.source, s.calibration
             assert list((tmp_path / "profiles" / name).glob("*.yaml")), f"no stored profile for {name}"
