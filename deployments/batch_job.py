@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print("batch: no tenant key: set POOLSERVE_KEY or pass --key-file", file=sys.stderr)
         return 2
-    requests, problems = read_input(jsonl_lines(Path(a.input).read_bytes().decode()))
+    requests, problems = read_input(jsonl_lines(Path(a.input).read_bytes()))
     if problems:
         print(f"batch: {a.input} has {len(problems)} problem(s):", file=sys.stderr)
         for prob in problems:

@@ -51,10 +51,11 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     return BatchRequest(number, cid, ENDPOINTS[url], body)
 
 
-def jsonl_lines(text: str) -> list[str]:
-    """A JSON Lines text's lines: they end at LF (or CRLF) only. A JSON string may hold U+0085,
-    U+2028 or U+2029 unescaped, which `str.splitlines` takes for line ends."""
-    lines = text.split("\n")
+def jsonl_lines(data: bytes, errors: str = "strict") -> list[str]:
+    """A JSON Lines file's lines: they end at LF (or CRLF) only. Read from bytes, because a JSON
+    string may hold U+0085, U+2028 or U+2029 unescaped, which `str.splitlines` takes for line
+    ends, and text mode reads a lone CR as one. Not UTF-8: `UnicodeDecodeError` (or replaced)."""
+    lines = data.decode(errors=errors).split("\n")
     if lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
@@ -89,7 +90,7 @@ def completed_ids(path: Path) -> set[str]:
             f.truncate(keep)
         data = data[:keep]
     done = set()
-    for line in jsonl_lines(data.decode()):
+    for line in jsonl_lines(data):
         if line.strip():
             done.add(json.loads(line)["custom_id"])
     return done

@@ -67,7 +67,7 @@ class BatchApi:
 
     def _check_batch_file(self, content: bytes) -> None:
         try:
-            lines = jsonl_lines(content.decode())
+            lines = jsonl_lines(content)
         except UnicodeDecodeError as e:
             raise ApiError(400, "invalid_file", f"the file is not UTF-8 text (byte {e.start})", "file") from None
         requests, problems = read_input(lines)

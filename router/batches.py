@@ -134,7 +134,7 @@ class Batches:
 
     def _validate(self, record: dict, key: str) -> None:
         path = self._files.content_path(record["_tenant"], record["input_file_id"])
-        lines = jsonl_lines(path.read_bytes().decode(errors="replace"))  # bytes: CR is no line end
+        lines = jsonl_lines(path.read_bytes(), errors="replace")
         requests, problems = read_input(lines)
         url = {v: k for k, v in ENDPOINTS.items()}
         problems += [f"line {r.line}: url {url[r.endpoint]!r} differs from the batch's endpoint "

@@ -60,7 +60,7 @@ def test_any_prompt_written_as_json_lines_reads_back_whole(prompts, crlf, last_n
     end = "\r\n" if crlf else "\n"
     text = end.join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                                 "body": {"prompt": p}}, ensure_ascii=False) for i, p in enumerate(prompts))
-    requests, problems = read_input(jsonl_lines(text + (end if last_newline else "")))
+    requests, problems = read_input(jsonl_lines((text + (end if last_newline else "")).encode()))
     assert problems == []
     assert [r.body["prompt"] for r in requests] == prompts and [r.line for r in requests] == list(
         range(1, len(prompts) + 1))

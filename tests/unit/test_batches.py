@@ -55,7 +55,7 @@ class FakeRunner:
         """Let the job answer `n` more lines (all, when None), then end in state `then`."""
         job = self.jobs[job_id]
         assert job["state"] == "RUNNING", "only a running job answers"
-        requests, _ = read_input(jsonl_lines(job["input"].read_bytes().decode()))
+        requests, _ = read_input(jsonl_lines(job["input"].read_bytes()))
         done = completed_ids(job["output"])
         todo = [r for r in requests if r.custom_id not in done][:n]
         with job["output"].open("a") as f:
