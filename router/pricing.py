@@ -85,6 +85,10 @@ class Pricer:
         for key, why in RESERVED_FIELDS.items():
             if key in data:
                 raise ApiError(400, "reserved_field", f"field {key!r} is not accepted: {why}", key)
+        if data.get("use_beam_search"):  # vLLM sends each beam step to the engine at priority 0
+            raise ApiError(400, "unsupported_field", "field 'use_beam_search' is not accepted: beam search runs "
+                                                     "outside the engine's priority order; sample with 'n' instead",
+                           "use_beam_search")
         model = data.get("model")
         if model is not None and model != self._model_id:
             raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "

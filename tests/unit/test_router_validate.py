@@ -27,11 +27,21 @@ def pricer() -> Pricer:
     ({"messages": "hello"}, "messages", "list"),
     ({"messages": MSG, "prompt_embeds": "x"}, "prompt_embeds", "text or token ids"),
     ({"messages": MSG, "n": 17}, "n", "between 1 and 16"),
+    # vLLM's beam search sends each step to the engine at priority 0, above every class's
+    ({"messages": MSG, "use_beam_search": True}, "use_beam_search", "priority"),
+    ({"messages": MSG, "use_beam_search": 1}, "use_beam_search", "priority"),
 ])
 def test_bad_bodies_are_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as e:
         asyncio.run(pricer().price("chat", body))
     assert e.value.status == 400 and e.value.param == param and fragment in e.value.message
+
+
+def test_beam_search_is_refused_on_completions_and_false_is_harmless():
+    with pytest.raises(ApiError) as e:
+        asyncio.run(pricer().price("completions", {"prompt": "a b", "use_beam_search": True}))
+    assert e.value.status == 400 and e.value.param == "use_beam_search"
+    assert asyncio.run(pricer().price("completions", {"prompt": "a b", "use_beam_search": False})).max_tokens == 16
 
 
 def test_a_good_body_passes():
