@@ -10,7 +10,10 @@ job's output in `<id>/output.jsonl`), moved on at each `poll()`:
     cancelling -> cancelled, and expired (past its completion window): partial results kept
 
 A job that fails or stops on its own is submitted again with the same output file: the runner
-skips the ids already answered, so every line is answered exactly once. A service that
+skips the ids already answered, so every line is answered exactly once. A batch whose job could
+not be submitted yet stays `validating` (the create still answers, so a client's retry never
+makes a second batch) until a poll submits it or its window ends. A finalize that fails
+half-way is done again with the end it was heading for, and never runs the job again. A service that
 restarts reads the records back and carries on. The tenant's key is kept for the batch's jobs
 in a file readable by its owner only (`<id>/key`, never in a record, nor in the job's runtime
 environment, which the dashboard shows) and removed when the batch ends.
@@ -96,7 +99,11 @@ class Batches:
             "_tenant": tenant, "_job": None, "_attempts": 0,
         }
         self._validate(record, key)
-        self._advance(record)
+        try:
+            self._advance(record)
+        except Exception:  # a 503 here had the SDK's retries create a batch each: the poll submits it
+            log.warning("batch %s: its job could not be submitted yet; the next poll tries again", batch_id,
+                        exc_info=True)
         return _public(record)
 
     def get(self, tenant: str, batch_id: str) -> dict:
@@ -154,7 +161,13 @@ class Batches:
         now = int(self._clock())
         status, job = record["status"], record["_job"]
         if status == "validating":
-            self._submit(record)
+            if now >= record["expires_at"]:
+                self._finish(record, "expired")
+            else:
+                self._submit(record)
+            return
+        if status == "finalizing":  # a finalize that failed half-way: done again, the job never rerun
+            self._finalize(record, record["_final"])
             return
         self._count(record)
         state = self._runner.status(job) if job else None
@@ -200,17 +213,19 @@ class Batches:
 
     def _finalize(self, record: dict, status: str) -> None:
         """The job's output, split: answers in the output file, failures in the error file."""
-        record["status"], record["finalizing_at"] = "finalizing", int(self._clock())
-        self._save(record)
+        if record["status"] != "finalizing":
+            record["status"], record["finalizing_at"], record["_final"] = "finalizing", int(self._clock()), status
+            self._save(record)
         self._count(record)
         good, bad = [], []
         for row in _rows(self._output(record)):
             ((good if (row.get("response") or {}).get("status_code") == 200 else bad)).append(json.dumps(row))
         for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
-            if rows:
+            if rows and record[field] is None:  # a file written before a failed finalize is kept, not written twice
                 meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
                                           ("\n".join(rows) + "\n").encode())
                 record[field] = meta["id"]
+                self._save(record)
         self._finish(record, status)
 
     def _finish(self, record: dict, status: str) -> None:

@@ -34,7 +34,11 @@ class FakeRunner:
         self.jobs: dict[str, dict] = {}
         self.stopped: list[str] = []
 
+    down = False  # Ray's job API unreachable: every call raises
+
     def submit(self, name: str, args: list[str]) -> str:
+        if self.down:
+            raise ConnectionError("job API unreachable")
         assert name not in self.jobs, "a job name is used once"
         opts = dict(zip(args[::2], args[1::2]))
         self.jobs[name] = {"input": Path(opts["--input"]), "output": Path(opts["--output"]),
@@ -42,9 +46,13 @@ class FakeRunner:
         return name
 
     def status(self, job_id: str) -> str:
+        if self.down:
+            raise ConnectionError("job API unreachable")
         return self.jobs[job_id]["state"]
 
     def stop(self, job_id: str) -> None:
+        if self.down:
+            raise ConnectionError("job API unreachable")
         self.stopped.append(job_id)
         self.jobs[job_id]["state"] = "STOPPED"
 
@@ -207,6 +215,62 @@ def test_a_batch_past_its_window_expires_with_its_partial_results(world):
     assert b["status"] == "expired" and b["expired_at"] and len(_output_rows(files, "acme", b["output_file_id"])) == 4
 
 
+def test_a_create_while_the_job_api_is_down_is_one_batch_submitted_later(world):
+    """A 503 here made the SDK's retries create a batch each, all run later."""
+    _, runner, service, files = world
+    batches = service()
+    runner.down = True
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
+    assert b["status"] == "validating" and runner.jobs == {}
+    batches.poll()
+    runner.down = False
+    batches.poll()
+    assert [x["id"] for x in batches.list("acme")["data"]] == [b["id"]] and len(runner.jobs) == 1
+    assert batches.get("acme", b["id"])["status"] == "in_progress"
+
+
+def test_a_batch_that_never_reached_its_job_expires(world):
+    clock, runner, service, files = world
+    batches = service()
+    runner.down = True
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
+    clock.now += 24 * 3600
+    batches.poll()
+    assert batches.get("acme", b["id"])["status"] == "expired" and runner.jobs == {}
+
+
+@pytest.mark.parametrize("end", ["cancel", "expire", "complete"])
+def test_a_finalize_that_fails_is_done_again_and_never_runs_the_job_again(world, monkeypatch, end):
+    """A cancelled batch whose output could not be written was submitted again and ended completed."""
+    clock, runner, service, files = world
+    batches = service()
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 10), "/v1/completions", "24h")
+    job = next(iter(runner.jobs))
+    runner.answer(job, 4, then="SUCCEEDED" if end == "complete" else None)
+    if end == "cancel":
+        batches.cancel("acme", b["id"])
+    elif end == "expire":
+        clock.now += 24 * 3600
+        batches.poll()  # stops the job
+    real, calls = files.create, []
+
+    def failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError("disk full")
+        return real(*args)
+
+    monkeypatch.setattr(batches._files, "create", failing_once)
+    batches.poll()
+    assert batches.get("acme", b["id"])["status"] == "finalizing"
+    batches.poll()
+    b = batches.get("acme", b["id"])
+    assert b["status"] == {"cancel": "cancelled", "expire": "expired", "complete": "completed"}[end]
+    assert len(runner.jobs) == 1, "a finalizing batch's job is not run again"
+    assert len(_output_rows(files, "acme", b["output_file_id"])) == 4
+    assert [f["id"] for f in files.list("acme", purpose="batch_output")["data"]] == [b["output_file_id"]]
+
+
 @pytest.mark.parametrize("body, field, words", [
     ({"endpoint": "/v1/embeddings"}, "endpoint", "use one of"),
     ({"completion_window": "1h"}, "completion_window", "'24h'"),
@@ -284,24 +348,49 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     rng = random.Random(seed)
     lines = rng.randint(1, 30)
     batches = service(max_attempts=6)
+    real_create, disk = files.create, {"full": False}
+
+    def create_file(*args):
+        if disk["full"]:
+            raise OSError("disk full")
+        return real_create(*args)
+
+    runner.down = rng.random() < 0.3
     b = batches.create("acme", "sk-acme", _upload(files, "acme", lines), "/v1/completions", "24h")
-    for _ in range(200):
+    cancelled_with_jobs = None  # how many jobs there were when a cancel was accepted
+    for _ in range(300):
         record = batches.get("acme", b["id"])
         if record["status"] in TERMINAL:
             break
-        job = list(runner.jobs)[-1]
+        batches._files.create = create_file
         move = rng.random()
-        if move < 0.4 and runner.jobs[job]["state"] == "RUNNING":
+        job = list(runner.jobs)[-1] if runner.jobs else None
+        if move < 0.4 and job and runner.jobs[job]["state"] == "RUNNING":
             then = rng.choice([None, None, "FAILED", "SUCCEEDED"])
             runner.answer(job, None if then == "SUCCEEDED" else rng.randint(0, 5), then=then)
         elif move < 0.5:
             batches = service(max_attempts=6)
         elif move < 0.53:
-            batches.cancel("acme", b["id"])
-        clock.now += rng.randint(0, 30)
+            try:
+                batches.cancel("acme", b["id"])
+                cancelled_with_jobs = len(runner.jobs) if cancelled_with_jobs is None else cancelled_with_jobs
+            except ConnectionError:  # the API answers 503; nothing was accepted
+                pass
+        elif move < 0.6:
+            runner.down = not runner.down
+        elif move < 0.65:
+            disk["full"] = not disk["full"]
+        clock.now += rng.randint(0, 30) if rng.random() < 0.95 else 24 * 3600
+        batches.poll()
+    runner.down, disk["full"] = False, False
+    for _ in range(3):  # the faults end: the batch must end too
         batches.poll()
     record = batches.get("acme", b["id"])
     assert record["status"] in TERMINAL, f"seed {seed}: still {record['status']}"
+    assert [x["id"] for x in batches.list("acme")["data"]] == [b["id"]], "one create, one batch"
+    if cancelled_with_jobs is not None:
+        assert len(runner.jobs) == cancelled_with_jobs, f"seed {seed}: a job submitted after the cancel was accepted"
+        assert record["status"] == "cancelled", f"seed {seed}: an accepted cancel ended {record['status']}"
     rows = _output_rows(files, "acme", record["output_file_id"]) + _output_rows(files, "acme", record["error_file_id"])
     ids = [r["custom_id"] for r in rows]
     assert len(ids) == len(set(ids)), f"seed {seed}: a line answered twice"
