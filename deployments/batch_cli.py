@@ -54,13 +54,27 @@ class RayJobRunner:
             submission_id=name, metadata={"poolserve": "batch-api"})
 
     def status(self, job_id: str) -> str:
-        return _client(self._address).get_job_status(job_id).value
+        try:
+            return _client(self._address).get_job_status(job_id).value
+        except RuntimeError as e:
+            if _lost(e):  # ended without a result: the batch resumes it in a new job
+                return "FAILED"
+            raise
 
     def stop(self, job_id: str) -> None:
-        _client(self._address).stop_job(job_id)
+        try:
+            _client(self._address).stop_job(job_id)
+        except RuntimeError as e:
+            if not _lost(e):
+                raise
 
     def logs(self, job_id: str) -> str:
         return _client(self._address).get_job_logs(job_id)
+
+
+def _lost(e: RuntimeError) -> bool:
+    """Ray's job API answered 404: it does not know the job (a head restarted without its GCS)."""
+    return "status code 404" in str(e)
 
 
 def entrypoint(input_path: str, output_path: str, url: str, pool: str, concurrency: int,

@@ -164,6 +164,30 @@ def test_an_entrypoint_keeps_paths_whole_and_runs_nothing_in_them():
     assert "touch" not in args  # the whole path is one argument, never a command
 
 
+def test_a_job_ray_no_longer_knows_ends_failed_and_stopping_it_is_done(monkeypatch):
+    """Ray answers 404 for a job it lost (a head restarted without its GCS): the batch stayed
+    in_progress for good and could not be cancelled. A failed job is resumed by a new one."""
+    from deployments import batch_cli
+
+    class Lost:
+        def _gone(self, job_id):
+            raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
+
+        get_job_status = stop_job = _gone
+
+    class Down:
+        def get_job_status(self, job_id):
+            raise RuntimeError("Request failed with status code 503: unavailable.")
+
+    monkeypatch.setattr(batch_cli, "_client", lambda address: Lost())
+    runner = batch_cli.RayJobRunner("http://head:8265")
+    assert runner.status("poolserve-batch_1-1") == "FAILED"
+    runner.stop("poolserve-batch_1-1")  # nothing left to stop
+    monkeypatch.setattr(batch_cli, "_client", lambda address: Down())
+    with pytest.raises(RuntimeError, match="503"):  # not knowing is not "gone": the poll asks again
+        runner.status("poolserve-batch_1-1")
+
+
 @pytest.mark.parametrize("custom_id", ["plain-1", "résumé №7", "emoji 🚀", "line\nbreak"])
 def test_any_custom_id_makes_a_valid_header(custom_id):
     from urllib.parse import unquote
