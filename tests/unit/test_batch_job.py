@@ -109,7 +109,7 @@ def test_retry_after_header_parsing():
     assert retry_after_of({}) is None
 
 
-def _run(responses: list[httpx.Response], policy=RetryPolicy(max_attempts=4)):
+def _run(responses: list[httpx.Response], policy=RetryPolicy(max_attempts=4), body: dict | None = None):
     """run_one against a fake transport; sleeps recorded instead of slept (a fake clock)."""
     calls, slept = [], []
 
@@ -124,12 +124,20 @@ def _run(responses: list[httpx.Response], policy=RetryPolicy(max_attempts=4)):
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             progress = Progress(total=1)
             text = await run_one(client, "http://r/offline/v1", "k", BatchRequest(1, "c1", "completions",
-                                                                                  {"prompt": "p", "stream": True}),
+                                                                                  body or {"prompt": "p", "stream": True}),
                                  policy, FixedRandom(0.0), progress, sleep=fake_sleep)
             return json.loads(text), progress
 
     out, progress = asyncio.run(go())
     return out, progress, calls, slept
+
+
+def test_a_line_asking_a_stream_with_options_is_sent_whole_without_them():
+    """The runner asks for whole answers; vLLM refuses stream_options without a stream, so such a
+    line (accepted at upload) failed every time."""
+    ok = httpx.Response(200, json={"usage": {"total_tokens": 3}})
+    out, _, calls, _ = _run([ok], body={"prompt": "p", "stream": True, "stream_options": {"include_usage": True}})
+    assert calls == [{"prompt": "p", "stream": False}] and out["response"]["status_code"] == 200
 
 
 def test_429_then_success_waits_retry_after():
