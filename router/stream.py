@@ -153,6 +153,11 @@ class PoolStream:
         """The engine's first item; an input error the engine found is a 400."""
         first = await self._gen.__anext__()
         self._s.mark("first")
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # the client left: vLLM answers a whole response's cancellation with an error, which
+            # is no refusal before work (that would refund the engine's tokens)
+            raise asyncio.CancelledError
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)

@@ -57,7 +57,14 @@ class TickEngine(FakeEngine):
 
     async def _ticks(self, body):
         for i in range(body.max_tokens):
-            await asyncio.sleep(0)
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                if body.stream:
+                    raise
+                # vLLM's whole-answer generators catch the cancellation and answer an error
+                yield SimpleNamespace(error=SimpleNamespace(message="Client disconnected", code=400, type="BadRequest"))
+                return
             if body.stream:
                 yield [f'data: {{"choices":[{{"text":"t{i}"}}]}}\n\n']
         usage = SimpleNamespace(prompt_tokens=3, completion_tokens=body.max_tokens)
@@ -201,6 +208,34 @@ def test_clients_leaving_at_any_await_leave_nothing_behind(block):
                 assert out.get("complete") and out["status"] in (200, 429), (where, out)
                 if out["status"] == 429:
                     assert json.loads(out["body"])["error"]["code"] in ("queue_full", "evicted"), where
+
+
+def test_a_client_that_leaves_a_whole_answer_mid_generation_keeps_its_charge():
+    """vLLM turns the cancellation of a whole answer into an error response, which the route
+    took for a refusal before any work: the tenant's tokens were refunded in full, so leaving
+    just before the end got answers past the quota."""
+    async def go():
+        ingress, engine = await make_ingress()
+        settled = []
+        real = ingress.router._quota.finish
+        ingress.router._quota.finish = lambda charge, used: (settled.append(used), real(charge, used))[1]
+        out = {}
+        task = asyncio.get_running_loop().create_task(_client(http_app(ingress), {"prompt": "a b", "max_tokens": 40},
+                                                              out))
+        for _ in range(30):  # admitted, and the engine is generating
+            await asyncio.sleep(0)
+        assert engine.calls == 1 and not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        stats = ingress._gate.gate.stats()
+        await ingress.close()
+        return settled, stats
+
+    settled, stats = asyncio.run(go())
+    assert settled == [None], "the charge stands: the engine worked for a client that left"
+    assert stats.active == 0
 
 
 def test_a_stream_whose_client_left_before_the_first_byte_frees_its_slot():
