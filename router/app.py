@@ -138,7 +138,16 @@ class Router:
                 sent = dataclasses.replace(sent, lend_after_quiet_s=rule.after_quiet_s,
                                            lend_below_utilisation=rule.while_below_utilisation)
             stream = PoolStream(self._pools[attempt.pool].generate.remote(sent), attempt.pool, s)
-            verdict = await _guarded(stream, stream.verdict(self._loads, cls, self._s.router.reach_timeout_s))
+            try:
+                verdict = await _guarded(stream, stream.verdict(self._loads, cls, self._s.router.reach_timeout_s))
+            except ApiError as e:
+                if not attempt.borrowed or i == len(plan) - 1:
+                    raise
+                # a lender that died or that nobody picked the call up at is no answer: home is
+                log.warning("borrowing from pool %s failed (%s); sending the request home", attempt.pool, e.code)
+                stream.cancel()
+                s.shed = None
+                continue
             if isinstance(verdict, Admitted):
                 break
             if i == len(plan) - 1:  # refused at home too (a borrowed refusal goes home instead)

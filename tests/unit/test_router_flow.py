@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from pools.control import PoolView
 from router.ingress import make_app
 from router.quota import Quota
@@ -159,6 +161,64 @@ def test_borrowing_stops_while_the_controllers_view_is_stale():
     clock.t += 6  # the controller stopped answering
     plan = router._plan("off", PriorityClass.BATCH)
     assert len(plan) == 1 and not plan[0].borrowed
+
+
+async def _lender_dies(call):
+    raise ConnectionError("the lender's replica died")  # before any item, as a RayActorError would
+    yield
+
+
+async def _lender_never_picks_up(call):
+    await asyncio.sleep(3600)
+    yield
+
+
+async def _lender_evicts(call):
+    from pools.types import Arrived, Rejected
+
+    yield Arrived("r9")
+    await asyncio.sleep(0)
+    yield Rejected(429, "evicted", "a more important request took its place", 3.0)
+
+
+@pytest.mark.parametrize("lender", [_lender_dies, _lender_never_picks_up, _lender_evicts])
+def test_a_borrowed_attempt_that_fails_goes_home_once(lender):
+    """A lender that died or that no replica of picked the call up answered the client with the
+    lender's 503 or 429 (a pool its key may not even use); home was never tried."""
+    from pools.types import PriorityClass
+    from router.app import RouterSettings
+    from router.config import RouterConfig
+    from router.ingress import Endpoints
+    from router.leases import LedgerService
+    from router.policy import BorrowRule, PoolRoute
+    from starlette.requests import Request
+    from tests.unit import router_harness as h
+
+    async def go():
+        routes = (PoolRoute("off", "off", 2, PriorityClass.BATCH, BorrowRule("on", 0.5, 0.5, 0.0), 8, 4),
+                  PoolRoute("on", "on", 4, PriorityClass.INTERACTIVE, None, 8, 4))
+        home, lender_pool = FakePool(), FakePool(lender)
+        tenants = tuple(t.model_copy(update={"pools": ("off",)}) for t in h.TENANTS)
+        settings = RouterSettings("m", 64, RouterConfig(reach_timeout_s=0.05), tenants, routes)
+        r = Endpoints(settings, {"off": home, "on": lender_pool}, h.FakeController(),
+                      LedgerService({t.name: Quota() for t in tenants}), h.WordCounter(), lambda: 100.0)
+        r._loads.update_views({"off": PoolView("off", 1, 2, 2, 10, True), "on": PoolView("on", 1, 4, 0, 0, True)})
+        assert r._plan("off", PriorityClass.BATCH)[0].borrowed  # the clock stands: the views stay fresh
+        raw, sent = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(), []
+
+        async def receive():
+            if sent:
+                await asyncio.sleep(3600)
+            sent.append(1)
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        resp = await r.route(Request(scope("/off/v1/chat/completions", "b"), receive), "chat", "off")
+        return resp, home, lender_pool, r
+
+    resp, home, lender_pool, r = asyncio.run(go())
+    assert resp.status_code == 200 and resp.headers["x-poolserve-pool"] == "off", resp.body
+    assert len(home.calls) == 1 and len(lender_pool.calls) == 1
+    assert r._loads.inflight("on") == 0 and r._loads.inflight("off") == 0
 
 
 def _request(body: dict, tenant: str):
