@@ -69,7 +69,7 @@ class Ceilings:
 @dataclass(frozen=True)
 class Rejection:
     ticket: Ticket
-    reason: str  # "queue_full" | "evicted"
+    reason: str  # "queue_full" | "evicted" | "lender_busy" (borrowed work sent home)
     retry_after_s: float
 
 
@@ -217,7 +217,18 @@ class AdmissionGate:
             self._counts["admitted"] += 1
             self._admissions.add(t.admitted_at)
             changes.admitted.append(t)
+        if t is not None and t.priority != PriorityClass.BORROWED:
+            changes.rejected += self._return_borrowed()
         return changes
+
+    def _return_borrowed(self) -> list[Rejection]:
+        """The pool's own work waits for room: borrowed work queued here goes home now (strict
+        priority would leave it waiting for as long as the lender stays busy)."""
+        now, out = self._clock(), []
+        for v in list(self._classes[PriorityClass.BORROWED].newest_first()):
+            self._remove_queued(v)
+            out.append(Rejection(v, "lender_busy", self.retry_after(now)))
+        return out
 
     def next_deadline(self) -> float | None:
         """When the wait window expires, if it is holding admission now."""

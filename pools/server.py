@@ -165,6 +165,10 @@ class PoolServer:
         except GateRejected as e:
             r = e.rejection
             self._metrics.rejected(call.tenant, call.priority, r.reason)
+            if r.reason == "lender_busy":
+                yield Rejected(429, r.reason, f"pool {self._settings.name!r} is busy with its own work again; the "
+                                              "request goes back to its own pool", r.retry_after_s)
+                return
             what = "a more important request took its place" if r.reason == "evicted" else "its queue is full"
             yield Rejected(429, r.reason, f"pool {self._settings.name!r} is overloaded: {what}; "
                                           f"retry after {r.retry_after_s:.0f}s", r.retry_after_s)

@@ -10,7 +10,8 @@ capacity back at once when chat returns:
     is below `while_below_utilisation`;
   * at most `max_share` of the target's capacity is ever lent;
   * borrowed requests run in the lowest class (BORROWED) on the target's gate, so any
-    target request is admitted first and a full queue evicts borrowed work first.
+    target request is admitted first, a full queue evicts borrowed work first, and borrowed
+    work waiting there goes home as soon as a target request has to wait.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ def offer(gate, tenant="a", prio=P.STANDARD, cost=10, weight=1.0):
 
 @pytest.mark.parametrize("arrivals, expected", [
     ([P.BATCH, P.STANDARD, P.INTERACTIVE], [P.INTERACTIVE, P.STANDARD, P.BATCH]),
-    ([P.BORROWED, P.BATCH, P.BORROWED, P.INTERACTIVE], [P.INTERACTIVE, P.BATCH, P.BORROWED, P.BORROWED]),
+    ([P.BORROWED, P.BORROWED], [P.BORROWED, P.BORROWED]),
     ([P.STANDARD, P.STANDARD, P.INTERACTIVE], [P.INTERACTIVE, P.STANDARD, P.STANDARD]),
-], ids=["three-classes", "borrowed-last", "fifo-inside-class"])
+], ids=["three-classes", "borrowed-fifo", "fifo-inside-class"])
 def test_strict_priority_order(arrivals, expected):
     gate, _ = make_gate(seqs=1)
     blocker, ch = offer(gate, "x", P.BATCH)  # holds the only slot
@@ -117,12 +117,28 @@ def test_queue_token_bound():
 def test_full_queue_evicts_less_important_newest_first():
     gate, _ = make_gate(seqs=1, max_queued=2)
     offer(gate, prio=P.BATCH)  # active
-    old, _ = offer(gate, prio=P.BORROWED)
-    new, _ = offer(gate, prio=P.BORROWED)
+    old, _ = offer(gate, prio=P.BATCH)
+    new, _ = offer(gate, prio=P.BATCH)
     chat, ch = offer(gate, prio=P.INTERACTIVE)
     assert [r.ticket for r in ch.rejected] == [new]
     assert ch.rejected[0].reason == "evicted"
     assert gate.is_queued(chat.id) and gate.is_queued(old.id)
+
+
+def test_borrowed_work_goes_home_as_soon_as_the_pools_own_work_waits():
+    """Strict priority alone left a borrowed request queued for as long as the lender's own
+    traffic kept one request waiting: hours, with its home pool idle."""
+    gate, clock = make_gate(seqs=1)
+    mine, _ = offer(gate, prio=P.STANDARD)  # active
+    borrowed, ch = offer(gate, prio=P.BORROWED)
+    assert ch.rejected == [] and gate.is_queued(borrowed.id), "a full lender may still hold it a moment"
+    _, ch = offer(gate, prio=P.BATCH)  # the pool's own work now waits for room
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(borrowed, "lender_busy")]
+    assert not gate.is_queued(borrowed.id) and ch.rejected[0].retry_after_s > 0
+    late, ch = offer(gate, prio=P.BORROWED)  # and any that comes meanwhile
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(late, "lender_busy")]
+    s = gate.stats()
+    assert (s.rejected, s.evicted) == (0, 0), "going home is no refusal of the pool's own traffic"
 
 
 def test_equal_priority_never_evicts():
@@ -292,13 +308,15 @@ def test_eviction_that_cannot_make_room_evicts_nobody():
 def test_eviction_takes_as_many_as_room_needs_least_important_first():
     gate, _ = make_gate(seqs=1, max_queued=100, max_queued_tokens=1000)
     offer(gate, prio=P.STANDARD, cost=10)
-    borrowed, _ = offer(gate, prio=P.BORROWED, cost=300)
     batch_old, _ = offer(gate, prio=P.BATCH, cost=300)
+    batch_mid, _ = offer(gate, prio=P.BATCH, cost=200)
     batch_new, _ = offer(gate, prio=P.BATCH, cost=300)
-    chat, ch = offer(gate, prio=P.INTERACTIVE, cost=500)  # 1400 queued: 400 must go
-    assert [(r.ticket, r.reason) for r in ch.rejected] == [(borrowed, "evicted"), (batch_new, "evicted")]
-    assert gate.is_queued(chat.id) and gate.is_queued(batch_old.id)
-    assert gate.stats().queued_tokens == 800 and gate.stats().evicted == 2
+    chat, ch = offer(gate, prio=P.INTERACTIVE, cost=500)  # 1300 queued: 300 must go
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(batch_new, "evicted")]
+    chat2, ch = offer(gate, prio=P.INTERACTIVE, cost=400)  # 1400: the two newest batch requests go
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(batch_mid, "evicted"), (batch_old, "evicted")]
+    assert gate.is_queued(chat.id) and gate.is_queued(chat2.id)
+    assert gate.stats().queued_tokens == 900 and gate.stats().evicted == 3
 
 
 def test_a_request_of_n_choices_holds_n_sequences():

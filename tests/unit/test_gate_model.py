@@ -10,6 +10,8 @@ Invariants (the gate's promises):
     that runs alone on an idle replica;
   * strict priority: no ticket is admitted while a more important one is left waiting;
   * no free capacity is left unused: outside a wait window, a poll admits nothing new;
+  * borrowed work never waits behind the pool's own: outside a wait window, while an own
+    request waits for room, no borrowed one is queued (it goes home, `lender_busy`);
   * after everything settles, slots, tokens in flight and queued tokens are back to zero.
 
 A failure names its seed; `POOLSERVE_SEED=<seed>` replays it (tests/unit/model_based.py).
@@ -28,7 +30,7 @@ from tests.unit.model_based import replayable, schedules
 
 RANGE = SafeRange(ladder=(1, 2, 4, 8), low=1, high=8, tokens_per_seq=200, max_inflight_tokens=4000)
 CEILINGS = Ceilings(max_num_seqs=10, max_inflight_tokens=4000)
-TERMINAL = ("released", "rejected", "evicted", "cancelled")
+TERMINAL = ("released", "rejected", "evicted", "cancelled", "returned")
 
 
 class Clock:
@@ -113,7 +115,7 @@ class GateModel:
         for r in changes.rejected:
             assert self.state[r.ticket.id] == "queued", f"ticket {r.ticket.id} refused from {self.state[r.ticket.id]}"
             assert r.retry_after_s > 0
-            self.settle(r.ticket.id, "rejected" if r.reason == "queue_full" else "evicted")
+            self.settle(r.ticket.id, {"queue_full": "rejected", "lender_busy": "returned"}.get(r.reason, "evicted"))
             self.reasons[r.reason] += 1
 
     def check(self, changes: Changes) -> None:
@@ -142,6 +144,9 @@ class GateModel:
             assert not ahead, f"ticket {a.id} ({a.priority.name}) admitted while {ahead} wait"
         if g.next_deadline() is None:  # not holding for a wait window: no capacity left unused
             assert g.poll().admitted == []
+            own_waits = any(self.tickets[i].priority != P.BORROWED for i in queued)
+            borrowed_waits = [i for i in queued if self.tickets[i].priority == P.BORROWED]
+            assert not (own_waits and borrowed_waits), f"borrowed {borrowed_waits} wait behind the pool's own work"
 
     def drain(self) -> None:
         for i in self.ids("queued"):
