@@ -82,8 +82,11 @@ class QuotaClient:
     MAX_REFILLS = 8  # per charge: requests charging from the lease meanwhile may spend a refill
 
     def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, call_timeout_s: float = 10.0) -> None:
         self._ledger = ledger  # a handle to LedgerService (or the object itself in tests)
+        # a ledger call is a few dictionary updates: one that takes this long is lost, and a
+        # request waiting on it (under its tenant's lock) must end, as a visible 503
+        self._call_timeout_s = call_timeout_s
         self._book = LeaseBook(quotas, lease_fraction)
         self._holder = uuid.uuid4().hex[:12]
         self._locks = {t: asyncio.Lock() for t in quotas}
@@ -152,7 +155,7 @@ class QuotaClient:
 
     async def _remote(self, method: str, *args):
         fn = getattr(self._ledger, method)
-        return await (fn.remote(*args) if hasattr(fn, "remote") else fn(*args))
+        return await asyncio.wait_for(fn.remote(*args) if hasattr(fn, "remote") else fn(*args), self._call_timeout_s)
 
     async def sync(self) -> None:
         """Hand unused balances back so other router replicas can spend them, and tell the

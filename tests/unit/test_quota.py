@@ -208,6 +208,33 @@ def test_a_client_leaving_during_a_grant_does_not_leak_the_slot():
     assert isinstance(asyncio.run(go()), Charge)
 
 
+def test_a_ledger_that_never_answers_is_a_503_not_a_hang():
+    """A ledger call had no bound: a request whose lease ran short waited for as long as the
+    ledger did, a client that left could not go (the grant is awaited under the tenant's lock),
+    and every other request and sync of the tenant queued behind it."""
+    import asyncio
+
+    from router.leases import QuotaClient, QuotaUnavailable
+
+    async def go():
+        quotas = {"t": Quota(max_concurrent=4)}
+        led = SlowLedger(quotas)
+        led.gate = asyncio.Event()  # never set: the ledger never answers
+        led.settle = led.grant
+        client = QuotaClient(led, quotas, 0.1, call_timeout_s=0.05)
+        left = asyncio.create_task(client.charge("t", 10))
+        stays = asyncio.create_task(client.charge("t", 10))
+        await asyncio.sleep(0.01)
+        left.cancel()  # its client hangs up while the ledger does not answer
+        done, _ = await asyncio.wait({left, stays, asyncio.create_task(client.sync())}, timeout=2)
+        return left, stays, done
+
+    left, stays, done = asyncio.run(go())
+    assert len(done) == 3, "every call ends"
+    assert left.cancelled()
+    assert isinstance(stays.exception(), QuotaUnavailable)
+
+
 def test_a_lease_spent_by_others_during_a_grant_is_a_refusal_not_a_crash():
     import asyncio
 

@@ -148,7 +148,9 @@ class World:
                 raise outcome
         self.check()
         self.ledger.fail_rate = 0.0
-        for _ in range(2):
+        # slots settle in rounds: a round's answer to one replica may be computed before the
+        # others reported theirs, and a cap it lowers is reported only by the next round
+        for _ in range(3):
             for c in self.clients:
                 await c.sync()
         self.check_whole()
