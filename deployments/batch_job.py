@@ -139,10 +139,10 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
     url = f"{base}/{req.endpoint}"
     headers = {"Authorization": f"Bearer {key}", "x-request-id": request_id(req.custom_id)}
     # whole answers, as OpenAI's batches give; vLLM refuses stream_options without a stream
-    body = {k: v for k, v in req.body.items() if k != "stream_options"} | {"stream": False}
+    payload = {k: v for k, v in req.body.items() if k != "stream_options"} | {"stream": False}
     for attempt in range(1, policy.max_attempts + 1):
         try:
-            r = await client.post(url, json=body, headers=headers)
+            r = await client.post(url, json=payload, headers=headers)
         except httpx.HTTPError as e:
             status, body, wait = None, None, None
             error = {"code": "connection_error", "message": f"{type(e).__name__}: {e}"}

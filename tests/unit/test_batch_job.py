@@ -146,6 +146,7 @@ def test_429_then_success_waits_retry_after():
     assert out["response"]["status_code"] == 200 and slept == [2.0]
     assert progress.done == 1 and progress.retried == 1 and progress.tokens == 9
     assert calls[0]["stream"] is False  # a batch job never streams
+    assert calls[1] == calls[0] == {"prompt": "p", "stream": False}, "every attempt sends the line's body"
 
 
 def test_400_is_an_error_line_without_retry():
