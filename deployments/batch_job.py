@@ -15,7 +15,10 @@ offline pool:
   line left by a crash is cut off at the next start, so it never counts.
 * Resumable: a rerun with the same output skips the custom_ids already written.
 * 429 and 503 are retried after `Retry-After` (plus jitter), with exponential back-off
-  when there is none, capped; other failures become error lines and the job goes on.
+  when there is none, capped, up to `--max-attempts`; a 429 of the tenant's own quota
+  (`*_quota_exceeded`) is waited out without counting, as it only paces the job (the batch's
+  window bounds it), and one the quota can never fit is not retried. Other failures become
+  error lines and the job goes on.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class RetryPolicy:
         """Seconds to wait before attempt `attempt + 1` (attempt counts from 1)."""
         base = retry_after_s if retry_after_s is not None else self.base_s * 2 ** (attempt - 1)
         return min(self.cap_s, base * (1 + self.jitter * rng.random()))
+
+
+def error_code(body) -> str | None:
+    """The OpenAI-style error's code of a response body, if it has one."""
+    err = body.get("error") if isinstance(body, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def retry_after_of(headers) -> float | None:
@@ -140,11 +150,12 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
     headers = {"Authorization": f"Bearer {key}", "x-request-id": request_id(req.custom_id)}
     # whole answers, as OpenAI's batches give; vLLM refuses stream_options without a stream
     payload = {k: v for k, v in req.body.items() if k != "stream_options"} | {"stream": False}
-    for attempt in range(1, policy.max_attempts + 1):
+    attempt = 0  # failed attempts; waiting for the tenant's own quota to refill is not one
+    while True:
         try:
             r = await client.post(url, json=payload, headers=headers)
         except httpx.HTTPError as e:
-            status, body, wait = None, None, None
+            status, body, wait, code = None, None, None, None
             error = {"code": "connection_error", "message": f"{type(e).__name__}: {e}"}
         else:
             status, wait, error = r.status_code, retry_after_of(r.headers), None
@@ -152,17 +163,21 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 body = r.json()
             except ValueError:
                 body = {"error": {"message": r.text[:500], "type": "server_error"}}
-            if status not in RETRY_STATUSES:
+            code = error_code(body)
+            if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
                 if status == 200:
                     progress.done += 1
                     progress.tokens += (body.get("usage") or {}).get("total_tokens", 0)
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
-        if attempt == policy.max_attempts:
-            break
+        quota_wait = status == 429 and code is not None and code.endswith("_quota_exceeded")
+        if not quota_wait:
+            attempt += 1
+            if attempt == policy.max_attempts:
+                break
         progress.retried += 1
-        await sleep(policy.delay(attempt, wait, rng))
+        await sleep(policy.delay(max(1, attempt), wait, rng))
     progress.failed += 1
     if status is not None:
         return result_line(req.custom_id, status, body, None)

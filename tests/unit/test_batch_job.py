@@ -154,6 +154,24 @@ def test_400_is_an_error_line_without_retry():
     assert out["response"]["status_code"] == 400 and slept == [] and progress.failed == 1 and len(calls) == 1
 
 
+def test_the_tenants_own_quota_is_waited_out_and_never_fails_a_line():
+    """Lines refused by the tenant's own limits (a batch concurrency above its max_concurrent, a
+    minute's tokens spent) failed for good after eight tries, and a resumed job skipped them as
+    answered: the input was lost to the tenant's own pacing."""
+    quota = [httpx.Response(429, headers={"retry-after": "3"}, json={"error": {"code": code}})
+             for code in ["concurrency_quota_exceeded", "tokens_quota_exceeded", "requests_quota_exceeded"] * 4]
+    ok = httpx.Response(200, json={"usage": {"total_tokens": 5}})
+    out, progress, calls, slept = _run(quota + [ok])  # 12 waits, with max_attempts 4
+    assert out["response"]["status_code"] == 200 and len(calls) == 13 and slept == [3.0] * 12
+    assert progress.done == 1 and progress.failed == 0
+
+
+def test_a_request_too_large_for_the_quota_is_not_retried():
+    too_large = httpx.Response(429, json={"error": {"code": "request_too_large_for_quota", "message": "m"}})
+    out, progress, calls, slept = _run([too_large])
+    assert out["response"]["status_code"] == 429 and len(calls) == 1 and slept == [] and progress.failed == 1
+
+
 def test_503_forever_gives_up_after_max_attempts():
     busy = [httpx.Response(503, json={"error": {}}) for _ in range(4)]
     out, progress, calls, slept = _run(busy)
