@@ -95,16 +95,12 @@ class AdmissionGate:
         queue: QueuePolicy,
         clock: Clock,
     ) -> None:
-        self._ceilings = ceilings
-        self._queue = queue
-        self._clock = clock
-        self._allowed = allowed
+        self._ceilings, self._queue, self._clock, self._allowed = ceilings, queue, clock, allowed
         self._limits = self._check(limits, allowed)
         self._classes = {p: FairClass() for p in PriorityClass}
         self._active: dict[int, Ticket] = {}
         self._queued: dict[int, Ticket] = {}
-        self._active_seqs = 0
-        self._inflight_tokens = 0
+        self._active_seqs = self._inflight_tokens = 0
         self._borrowed_seqs = 0  # active borrowed requests, their sequences and their tokens
         self._borrowed_requests = 0
         self._borrowed_tokens = 0
@@ -222,13 +218,12 @@ class AdmissionGate:
         return changes
 
     def _return_borrowed(self) -> list[Rejection]:
-        """The pool's own work waits for room: borrowed work queued here goes home now (strict
-        priority would leave it waiting for as long as the lender stays busy)."""
-        now, out = self._clock(), []
-        for v in list(self._classes[PriorityClass.BORROWED].newest_first()):
+        """Borrowed work queued here goes home: strict priority would keep it for as long as the
+        lender's own work waits for room."""
+        lent = list(self._classes[PriorityClass.BORROWED].newest_first())
+        for v in lent:
             self._remove_queued(v)
-            out.append(Rejection(v, "lender_busy", self.retry_after(now)))
-        return out
+        return [Rejection(v, "lender_busy", self.retry_after(self._clock())) for v in lent]
 
     def next_deadline(self) -> float | None:
         """When the wait window expires, if it is holding admission now."""
@@ -322,18 +317,11 @@ class AdmissionGate:
         oldest, lent = self._oldest_enqueue(), len(self._classes[PriorityClass.BORROWED])
         own = len(self._active) + len(self._queued) - self._borrowed_requests - lent
         return GateStats(
-            active=self._active_seqs,
-            active_requests=len(self._active),
-            borrowed_requests=self._borrowed_requests,
-            inflight_tokens=self._inflight_tokens,
-            queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
-            queued_tokens=self._queued_tokens,
-            oldest_wait_s=0.0 if oldest is None else now - oldest,
-            limits=self._limits,
+            active=self._active_seqs, active_requests=len(self._active), borrowed_requests=self._borrowed_requests,
+            inflight_tokens=self._inflight_tokens, queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
+            queued_tokens=self._queued_tokens, oldest_wait_s=0.0 if oldest is None else now - oldest, limits=self._limits,
             **{k: self._counts[k] for k in ("admitted", "rejected", "cancelled", "evicted", "completed")},
-            peak_active=self._peak,
-            own_idle_s=0.0 if own else now - self._own_seen,
-        )
+            peak_active=self._peak, own_idle_s=0.0 if own else now - self._own_seen)
 
     def waits(self, window_s: float) -> tuple[float, ...]:
         """How long the pool's own requests waited here over the last `window_s`: those admitted,
