@@ -147,7 +147,10 @@ class QuotaClient:
         return self._book.remaining_requests(tenant), self._book.remaining_tokens(tenant)
 
     async def usage(self, tenant: str) -> dict[str, float]:
-        out = await self._remote("usage", tenant)
+        try:
+            out = await self._remote("usage", tenant)
+        except Exception as e:  # the ledger away: a 503 to the caller, not a 500
+            raise QuotaUnavailable(f"{type(e).__name__}: {e}") from e
         lease = self._book.lease(tenant)
         out["held_by_this_router"] = {"requests": lease.requests, "tokens": lease.tokens,
                                       "slots_in_use": lease.slots_used}

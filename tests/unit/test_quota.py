@@ -226,13 +226,16 @@ def test_a_ledger_that_never_answers_is_a_503_not_a_hang():
         stays = asyncio.create_task(client.charge("t", 10))
         await asyncio.sleep(0.01)
         left.cancel()  # its client hangs up while the ledger does not answer
-        done, _ = await asyncio.wait({left, stays, asyncio.create_task(client.sync())}, timeout=2)
-        return left, stays, done
+        led.usage = led.grant
+        usage = asyncio.create_task(client.usage("t"))
+        done, _ = await asyncio.wait({left, stays, usage, asyncio.create_task(client.sync())}, timeout=2)
+        return left, stays, usage, done
 
-    left, stays, done = asyncio.run(go())
-    assert len(done) == 3, "every call ends"
+    left, stays, usage, done = asyncio.run(go())
+    assert len(done) == 4, "every call ends"
     assert left.cancelled()
     assert isinstance(stays.exception(), QuotaUnavailable)
+    assert isinstance(usage.exception(), QuotaUnavailable), "/v1/usage answers 503, not 500"
 
 
 def test_a_lease_spent_by_others_during_a_grant_is_a_refusal_not_a_crash():
