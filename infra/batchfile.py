@@ -54,8 +54,9 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
 def jsonl_lines(data: bytes, errors: str = "strict") -> list[str]:
     """A JSON Lines file's lines: they end at LF (or CRLF) only. Read from bytes, because a JSON
     string may hold U+0085, U+2028 or U+2029 unescaped, which `str.splitlines` takes for line
-    ends, and text mode reads a lone CR as one. Not UTF-8: `UnicodeDecodeError` (or replaced)."""
-    lines = data.decode(errors=errors).split("\n")
+    ends, and text mode reads a lone CR as one. A leading byte-order mark (Windows editors write
+    one) is no part of the first line. Not UTF-8: `UnicodeDecodeError` (or replaced)."""
+    lines = data.decode("utf-8-sig", errors=errors).split("\n")
     if lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]

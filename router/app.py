@@ -57,7 +57,8 @@ class RouterSettings:
 
 class Router:
     def __init__(self, settings: RouterSettings, pools: dict[str, Any], controller: Any, ledger: Any,
-                 counter: PromptCounter, clock: Callable[[], float] = time.monotonic, batches: Any = None) -> None:
+                 counter: PromptCounter, clock: Callable[[], float] = time.monotonic, batches: Any = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         configure_logging()
         c = settings.router
         self._s, self._clock = settings, clock
@@ -75,7 +76,7 @@ class Router:
         self._loads = PoolLoads(self._routes, clock, c.view_max_age_s)
         self._metrics = RouterMetrics()
         self.admin = Admin(self._auth, controller, pools, self._limits)
-        self.batch_api = BatchApi(self._auth, settings.batches, batches, self._limits, time.time)
+        self.batch_api = BatchApi(self._auth, settings.batches, batches, self._limits, wall_clock)
         self._loops = Loops("router")
 
     async def warm(self) -> None:

@@ -22,7 +22,9 @@ from router.auth import Auth, bearer
 from router.body import BodyLimits, read_json
 from router.config import TenantConfig
 from router.errors import ApiError
-from router.files import FileStore
+from router.files import FileStore, expiry_seconds
+
+FORM_FRAMING_BYTES = 16 << 10  # a multipart upload's boundaries, headers, file name and small fields
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class BatchApi:
 
     async def upload(self, request: Request) -> Response:
         async def run(tenant: TenantConfig) -> dict:
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > self._s.max_file_bytes:
+            size = request.headers.get("content-length")  # the file, its name and the form's other fields
+            if size is not None and size.isdigit() and int(size) > self._s.max_file_bytes + FORM_FRAMING_BYTES:
                 raise _too_large(self._s.max_file_bytes)
             try:
                 form = await request.form(max_files=1, max_fields=8)
@@ -57,12 +59,13 @@ class BatchApi:
                                                       "fields 'file' and 'purpose'", "file")
             if purpose not in ("batch",):
                 raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
+            expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after")
             content = await upload.read(self._s.max_file_bytes + 1)
             if len(content) > self._s.max_file_bytes:
                 raise _too_large(self._s.max_file_bytes)
             await asyncio.to_thread(self._check_batch_file, content)
             return await asyncio.to_thread(self._files.create, tenant.name, upload.filename or "upload.jsonl",
-                                           purpose, content)
+                                           purpose, content, expires_after_s)
         return await self._run(request, run)
 
     def _check_batch_file(self, content: bytes) -> None:
@@ -108,14 +111,16 @@ class BatchApi:
                 raise ApiError(403, "pool_not_allowed", f"batches run on pool {self._s.pool!r}, which tenant "
                                                         f"{tenant.name!r} may not use")
             body = await read_json(request, self._limits)
-            unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+            unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata",
+                                   "output_expires_after"}
             if unknown:
                 raise ApiError(400, "invalid_request", f"unknown field {sorted(unknown)[0]!r}", sorted(unknown)[0])
             for field in ("input_file_id", "endpoint", "completion_window"):
                 if field not in body:
                     raise ApiError(400, "missing_field", f"{field!r} is required", field)
             return await self._call("create", tenant.name, bearer(request.headers), body["input_file_id"],
-                                    body["endpoint"], body["completion_window"], body.get("metadata"))
+                                    body["endpoint"], body["completion_window"], body.get("metadata"),
+                                    body.get("output_expires_after"))
         return await self._run(request, run)
 
     async def get_batch(self, request: Request, batch_id: str) -> Response:
@@ -157,6 +162,17 @@ class BatchApi:
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, "file_too_large", f"the file is larger than batches.max_file_bytes ({limit} bytes); split it",
                     "file")
+
+
+def _form_object(form: Any, name: str) -> dict | None:
+    """An object sent in a form as `name[key]` fields (how the openai SDK sends one), or None."""
+    prefix = f"{name}["
+    fields = {k[len(prefix):-1]: v for k, v in form.multi_items() if k.startswith(prefix) and k.endswith("]")}
+    if not fields:
+        return None
+    if isinstance(fields.get("seconds"), str) and fields["seconds"].isdigit():
+        fields["seconds"] = int(fields["seconds"])
+    return fields
 
 
 def _limit(value: str | None, most: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Protocol
 
 from infra.batchfile import ENDPOINTS, jsonl_lines, read_input
 from router.errors import ApiError
-from router.files import FileStore, page, tenant_dir, write_whole
+from router.files import FileStore, expiry_seconds, page, tenant_dir, write_whole
 
 log = logging.getLogger("poolserve.router")
 
@@ -70,7 +70,7 @@ class Batches:
     # -- the API ----------------------------------------------------------------------
 
     def create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
-               metadata: Any = None) -> dict:
+               metadata: Any = None, output_expires_after: Any = None) -> dict:
         if endpoint not in ENDPOINTS:
             raise ApiError(400, "invalid_value", f"endpoint {endpoint!r}: use one of {sorted(ENDPOINTS)}", "endpoint")
         if completion_window not in WINDOWS:
@@ -83,7 +83,8 @@ class Batches:
                                                  "(512 characters)", "metadata")
         if not isinstance(input_file_id, str):
             raise ApiError(400, "invalid_value", "input_file_id must be the id of an uploaded file", "input_file_id")
-        meta = self._files.get(tenant, input_file_id)
+        output_expires_s = expiry_seconds(output_expires_after, "output_expires_after")
+        meta = self._input(tenant, input_file_id)
         if meta["purpose"] != "batch":
             raise ApiError(400, "invalid_value", f"file {input_file_id!r} has purpose {meta['purpose']!r}; upload "
                                                  "the input with purpose 'batch'", "input_file_id")
@@ -96,7 +97,7 @@ class Batches:
             "expires_at": now + WINDOWS[completion_window], "finalizing_at": None, "completed_at": None,
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
-            "_tenant": tenant, "_job": None, "_attempts": 0,
+            "_tenant": tenant, "_job": None, "_attempts": 0, "_output_expires_s": output_expires_s,
         }
         self._validate(record, key)
         try:
@@ -127,7 +128,11 @@ class Batches:
         return _public(record)
 
     def poll(self) -> None:
-        """Move every batch that is not finished on by one step."""
+        """Move every batch that is not finished on by one step, and remove expired files."""
+        try:
+            self._files.sweep()
+        except OSError:  # a shared volume's hiccup: the next poll sweeps again
+            log.exception("could not remove expired files")
         for folder in self._s.root.glob("*/batches") if self._s.root.is_dir() else ():
             for path in folder.glob("batch_*.json"):
                 record = _read(path)
@@ -136,6 +141,13 @@ class Batches:
                         self._advance(record)
                     except Exception:  # one batch's trouble must not stop the others
                         log.exception("batch %s: could not move it on", record["id"])
+
+    def _input(self, tenant: str, file_id: str) -> dict:
+        try:
+            return self._files.get(tenant, file_id)
+        except ApiError as e:
+            raise ApiError(e.status, e.code, f"{e.message}: input_file_id must be the id of a file you uploaded "
+                                             "(POST /v1/files)", "input_file_id") from None
 
     # -- the life of a batch ----------------------------------------------------------
 
@@ -193,7 +205,16 @@ class Batches:
             self._save(record)
 
     def _submit(self, record: dict) -> None:
-        args = ["--input", str(self._files.content_path(record["_tenant"], record["input_file_id"])),
+        try:
+            path = self._files.content_path(record["_tenant"], record["input_file_id"])
+        except ApiError:  # deleted or expired: no job can read it, so the batch ends now, its answers kept
+            record["errors"] = {"object": "list", "data": [{
+                "code": "input_file_missing", "line": None, "param": "input_file_id",
+                "message": f"the input file {record['input_file_id']!r} was deleted or expired before the batch's "
+                           "job could read it"}]}
+            self._finalize(record, "failed")
+            return
+        args = ["--input", str(path),
                 "--output", str(self._output(record)), "--key-file", str(self._folder(record) / "key"),
                 "--url", self._s.router_url, "--pool", self._s.pool_prefix, "--concurrency", str(self._s.concurrency)]
         record["_job"] = self._runner.submit(f"poolserve-{record['id']}-{record['_attempts'] + 1}", args)
@@ -223,7 +244,7 @@ class Batches:
         for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
             if rows and record[field] is None:  # a file written before a failed finalize is kept, not written twice
                 meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
-                                          ("\n".join(rows) + "\n").encode())
+                                          ("\n".join(rows) + "\n").encode(), record.get("_output_expires_s"))
                 record[field] = meta["id"]
                 self._save(record)
         self._finish(record, status)

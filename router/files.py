@@ -4,8 +4,10 @@ Kubernetes, so that every router replica and the batch jobs see the same files).
     <root>/<tenant>/files/<file id>          the content, written once
     <root>/<tenant>/files/<file id>.json     its OpenAI file object
 
-A tenant sees only its own folder: another tenant's file id is simply not found. Pure file
-I/O with the clock as a parameter; no Ray.
+A tenant sees only its own folder: another tenant's file id is simply not found. A file kept
+under an expiry policy (OpenAI's `expires_after`) is gone from its `expires_at` on: not found,
+not listed, and removed by `sweep()` or by the first look at it. Pure file I/O with the clock
+as a parameter; no Ray.
 """
 
 from __future__ import annotations
@@ -15,13 +17,26 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import quote
 
 from router.errors import ApiError
 
 PURPOSES = ("batch", "batch_output")
 _ID = re.compile(r"file-[0-9a-f]{24}")
+EXPIRY_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on an expiry policy's seconds
+
+
+def expiry_seconds(policy: Any, field: str) -> int | None:
+    """The seconds of an expiry policy (`{"anchor": "created_at", "seconds": N}`), or None for none."""
+    if policy is None:
+        return None
+    low, high = EXPIRY_S
+    if not (isinstance(policy, dict) and policy.get("anchor") == "created_at" and set(policy) == {"anchor", "seconds"}
+            and type(policy["seconds"]) is int and low <= policy["seconds"] <= high):
+        raise ApiError(400, "invalid_value", f"{field} must be {{'anchor': 'created_at', 'seconds': N}} with N from "
+                                             f"{low} to {high}", field)
+    return policy["seconds"]
 
 
 def tenant_dir(root: Path, tenant: str) -> Path:
@@ -37,24 +52,30 @@ class FileStore:
     def _dir(self, tenant: str) -> Path:
         return tenant_dir(self._root, tenant) / "files"
 
-    def create(self, tenant: str, filename: str, purpose: str, content: bytes) -> dict:
+    def create(self, tenant: str, filename: str, purpose: str, content: bytes, expires_after_s: int | None = None
+               ) -> dict:
         if purpose not in PURPOSES:
             raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
         folder = self._dir(tenant)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         write_whole(folder / file_id, content)
-        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(self._clock()),
-                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+        now = int(self._clock())
+        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": now, "filename": filename,
+                "purpose": purpose, "status": "processed", "status_details": None,
+                "expires_at": None if expires_after_s is None else now + expires_after_s}
         write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
         return meta
 
     def get(self, tenant: str, file_id: str) -> dict:
         path = self._meta_path(tenant, file_id)
         try:
-            return json.loads(path.read_text())
+            meta = json.loads(path.read_text())
         except (OSError, ValueError):
-            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id") from None
+            meta = None
+        if meta is None or self._expired(tenant, meta):
+            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
+        return meta
 
     def content_path(self, tenant: str, file_id: str) -> Path:
         self.get(tenant, file_id)
@@ -68,7 +89,8 @@ class FileStore:
                 metas.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue  # being deleted
-        metas = sorted((m for m in metas if purpose is None or m["purpose"] == purpose),
+        metas = sorted((m for m in metas if (purpose is None or m["purpose"] == purpose)
+                        and not self._expired(tenant, m)),
                        key=lambda m: (-m["created_at"], m["id"]))
         return page(metas, limit, after)
 
@@ -79,6 +101,27 @@ class FileStore:
         meta_path.unlink(missing_ok=True)
         (self._dir(tenant) / file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
+
+    def sweep(self) -> None:
+        """Remove every tenant's expired files."""
+        for folder in self._root.glob("*/files") if self._root.is_dir() else ():
+            for path in folder.glob("file-*.json"):
+                try:
+                    meta = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                self._expired_in(folder, meta)
+
+    def _expired(self, tenant: str, meta: dict) -> bool:
+        return self._expired_in(self._dir(tenant), meta)
+
+    def _expired_in(self, folder: Path, meta: dict) -> bool:
+        """Whether the file has expired; if so it is removed (the object first, as `delete` does)."""
+        if meta.get("expires_at") is None or self._clock() < meta["expires_at"]:
+            return False
+        (folder / f"{meta['id']}.json").unlink(missing_ok=True)
+        (folder / meta["id"]).unlink(missing_ok=True)
+        return True
 
     def _meta_path(self, tenant: str, file_id: str) -> Path:
         if not _ID.fullmatch(file_id):

@@ -59,7 +59,7 @@ def api(tmp_path):
                               BatchApiSettings(str(tmp_path), "p", max_file_bytes=4096, max_lines=20))
     router = Endpoints(settings, {"p": FakePool(), "q": FakePool()}, FakeController(),
                        LedgerService({t.name: Quota(**t.quota.model_dump()) for t in tenants}), WordCounter(),
-                       batches=InProcessService(batches))
+                       batches=InProcessService(batches), wall_clock=clock)
     app = make_app()
     for verb, path, name in ROUTES:
         getattr(app, verb)(path, name=name)(getattr(router, name))
@@ -203,3 +203,66 @@ async def test_the_batch_api_off_says_so(tmp_path):
     with pytest.raises(openai.NotFoundError) as e:
         await sdk(app, "b").batches.list()
     assert "batches.dir" in e.value.body["message"]
+
+
+@sync
+async def test_the_file_edges_a_user_meets(api):
+    """A file of exactly `max_file_bytes` fits (the multipart framing around it is not the
+    file), a UTF-8 byte-order mark (as Windows editors write) is no error, and an unknown input
+    file is named by the field that holds it."""
+    app, _, _ = api
+    client = sdk(app, "b")
+    head = b"\xef\xbb\xbf" + _file(2)
+    tail = json.dumps({"custom_id": "req-pad", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "", "max_tokens": 4}}).encode() + b"\n"
+    content = head + tail.replace(b'"prompt": ""', b'"prompt": "' + b"x" * (4096 - len(head) - len(tail)) + b'"')
+    assert len(content) == 4096
+    f = await client.files.create(file=("in.jsonl", content), purpose="batch")
+    assert f.bytes == 4096
+    b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert b.status == "in_progress" and b.request_counts.total == 3
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.files.create(file=("in.jsonl", content + b"\n"), purpose="batch")
+    assert e.value.status_code == 413
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.batches.create(input_file_id="file-" + "0" * 24, endpoint="/v1/completions",
+                                    completion_window="24h")
+    assert e.value.body["param"] == "input_file_id" and "POST /v1/files" in e.value.body["message"]
+
+
+@sync
+async def test_files_expire_when_asked_and_a_batch_whose_input_went_fails_visibly(api):
+    app, runner, batches = api
+    clock = batches._clock
+    client = sdk(app, "b")
+    kept = await client.files.create(file=("in.jsonl", _file(3)), purpose="batch")
+    short = await client.files.create(file=("in.jsonl", _file(3)), purpose="batch",
+                                      expires_after={"anchor": "created_at", "seconds": 3600})
+    assert kept.expires_at is None and short.expires_at == short.created_at + 3600
+    b = await client.batches.create(input_file_id=short.id, endpoint="/v1/completions", completion_window="24h",
+                                    output_expires_after={"anchor": "created_at", "seconds": 7200})
+    job = next(iter(runner.jobs))
+    runner.answer(job, n=1, then="FAILED")  # the job must be run again, and its input is gone by then
+    clock.now += 3600
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(short.id)
+    assert {x.id async for x in client.files.list()} == {kept.id}
+    batches.poll()
+    b = await client.batches.retrieve(b.id)
+    assert b.status == "failed" and b.request_counts.completed == 1
+    assert b.errors.data[0].param == "input_file_id" and short.id in b.errors.data[0].message
+    out = await client.files.retrieve(b.output_file_id)
+    assert out.expires_at == out.created_at + 7200
+    clock.now += 7200
+    batches.poll()  # the batch service's poll removes what expired, read or not
+    folder = batches._files._dir("b")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([kept.id, f"{kept.id}.json"])
+    for field, policy in (("expires_after", {"anchor": "created_at", "seconds": 60}),
+                          ("expires_after", {"anchor": "last_active_at", "seconds": 3600})):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.files.create(file=("in.jsonl", _file(1)), purpose="batch", expires_after=policy)
+        assert e.value.body["param"] == field and "3600" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
+                                    output_expires_after={"anchor": "created_at", "seconds": 10**9})
+    assert e.value.body["param"] == "output_expires_after" and "2592000" in e.value.body["message"]
