@@ -17,9 +17,9 @@ read (so a flood of large bodies is paid for before it costs the router anything
 its tokens once they are counted: every prompt token plus `n` x `max_tokens`. When it ends,
 its real usage settles the difference: the unused part is refunded, usage above the charge
 is debited (a balance may go below zero; the next grant pays the debt). Unused balances go
-back to the ledger at each sync, so other replicas can spend them, and each sync tells the
-ledger how many slots the replica holds in all (not a difference), so a lost call never
-leaks a slot for good.
+back to the ledger at each sync, so other replicas can spend them, and each sync and each
+question tells the ledger how many slots the replica holds in all (not a difference), so a
+lost call never leaks a slot for good, and idle slots a replica dropped are free at once.
 
 A replica the ledger has not heard from for `HOLDER_TTL_S` is taken for dead and its slots go
 to others; so a replica alive but cut off spends idle slots only within `LEASE_FRESH_S` of
@@ -98,6 +98,7 @@ class Need:
     extra_requests: int = 0
     extra_tokens: int = 0
     extra_slots: int = 0
+    slots_held: int | None = None  # the slots the asking replica holds in all (idle ones it dropped are not)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ class QuotaLedger:
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         self._expire_holders(acct, now)
+        if need.slots_held is not None and acct.quota.max_concurrent is not None:
+            acct.slots_out[holder] = max(0, need.slots_held)  # as a sync says it, so dropped slots are free
         refusal = self._refusal(acct, need, now)
         if refusal is not None:
             return replace(refusal, slots_allowed=self._held(acct, holder))
@@ -304,6 +307,7 @@ class LeaseBook:
             extra_requests=self._chunk(q.requests_per_min),
             extra_tokens=self._chunk(q.tokens_per_min),
             extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
+            slots_held=lease.slots_used + lease.slots_free if q.max_concurrent is not None else None,
         )
 
     def try_charge(self, tenant: str, tokens: int, new_request: bool = True,

@@ -85,7 +85,8 @@ def book(**quota) -> LeaseBook:
 def test_lease_book_asks_for_shortfall_plus_a_chunk():
     b = book(requests_per_min=600, tokens_per_min=10_000, max_concurrent=20)
     need = b.try_charge("t", 250)
-    assert need == Need(requests=1, tokens=250, slots=1, extra_requests=60, extra_tokens=1000, extra_slots=1)
+    assert need == Need(requests=1, tokens=250, slots=1, extra_requests=60, extra_tokens=1000, extra_slots=1,
+                        slots_held=0)
 
 
 def test_lease_book_spends_locally_after_a_grant():
@@ -356,3 +357,22 @@ def test_a_request_over_the_minutes_tokens_is_too_large_whatever_the_lease_holds
 
     denied = asyncio.run(go())
     assert denied.limit == "too_large"
+
+
+def test_idle_slots_a_replica_dropped_are_not_counted_against_it():
+    """A lease idle past LEASE_FRESH_S drops its free slots locally; the ledger still counted
+    them for the replica, so its next request was refused for concurrency with nothing running
+    anywhere, until a sync reported the drop. A grant's question now says what the replica holds."""
+    from router.quota import LEASE_FRESH_S
+
+    led, b = ledger(max_concurrent=1), book(max_concurrent=1)
+    first = b.try_charge("t", 0, now=0.0)
+    assert b.add("t", led.grant("t", "r", first, 0.0), 0.0) is None
+    done = b.try_charge("t", 0, now=0.0)
+    b.finish(done, 0)  # a request ran and ended: its slot idle in the lease, the ledger counts it
+    later = 1.0 + LEASE_FRESH_S  # no sync meanwhile (the ledger was away)
+    need = b.try_charge("t", 0, now=later)
+    assert isinstance(need, Need) and b.lease("t").slots_free == 0
+    assert b.add("t", led.grant("t", "r", need, later), later) is None, "nothing runs: a slot is free"
+    assert isinstance(b.try_charge("t", 0, now=later), Charge)
+    assert led.usage("t", later)["concurrent"] == 1
