@@ -300,15 +300,11 @@ class LeaseBook:
         short_slot = new_request and q.max_concurrent is not None and lease.slots_free < 1
         if not (short_req or short_tok or short_slot):
             return None
-        return Need(
-            requests=1 if short_req else 0,
-            tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
-            slots=1 if short_slot else 0,
-            extra_requests=self._chunk(q.requests_per_min),
-            extra_tokens=self._chunk(q.tokens_per_min),
-            extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
-            slots_held=lease.slots_used + lease.slots_free if q.max_concurrent is not None else None,
-        )
+        return Need(requests=int(short_req), tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
+                    slots=int(short_slot), extra_requests=self._chunk(q.requests_per_min),
+                    extra_tokens=self._chunk(q.tokens_per_min),
+                    extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,
+                    slots_held=lease.slots_used + lease.slots_free if q.max_concurrent is not None else None)
 
     def try_charge(self, tenant: str, tokens: int, new_request: bool = True,
                    now: float | None = None) -> Charge | Need:
