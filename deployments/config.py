@@ -71,7 +71,8 @@ class BatchesConfig(Frozen):
                                                      "http://127.0.0.1:<router.port>, the head node's own proxy).")
     dashboard_url: str = Field("http://127.0.0.1:8265", description="Ray's job API, where batches are submitted.")
     concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
-    max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger uploads get 413.")
+    max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger files get 413 (the form around one is not "
+                                                                "counted).")
     max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")
     max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")

@@ -10,6 +10,7 @@ problem is named with its line, and the size and the number of lines are bounded
 from __future__ import annotations
 
 import asyncio
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -25,6 +26,7 @@ from router.errors import ApiError
 from router.files import FileStore, expiry_seconds
 
 FORM_FRAMING_BYTES = 16 << 10  # a multipart upload's boundaries, headers, file name and small fields
+FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}  # as the openai SDK sends them
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,19 @@ class BatchApi:
             except Exception as e:  # not multipart, or a broken one
                 raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
                                                        f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
+            unknown = sorted(set(form.keys()) - FORM_FIELDS)
+            if unknown:
+                raise ApiError(400, "invalid_request", f"unknown form field {unknown[0]!r}: send 'file', 'purpose' and "
+                                                       "optionally expires_after[anchor] and expires_after[seconds]",
+                               unknown[0].split("[")[0])
             upload, purpose = form.get("file"), form.get("purpose")
             if upload is None or isinstance(upload, str):
                 raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "
                                                       "fields 'file' and 'purpose'", "file")
             if purpose not in ("batch",):
                 raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
-            expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after")
+            expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after",
+                                             " (as form fields expires_after[anchor] and expires_after[seconds])")
             content = await upload.read(self._s.max_file_bytes + 1)
             if len(content) > self._s.max_file_bytes:
                 raise _too_large(self._s.max_file_bytes)
@@ -72,7 +80,8 @@ class BatchApi:
         try:
             lines = jsonl_lines(content)
         except UnicodeDecodeError as e:
-            raise ApiError(400, "invalid_file", f"the file is not UTF-8 text (byte {e.start})", "file") from None
+            at = e.start + 3 * content.startswith(codecs.BOM_UTF8)  # counted after the byte-order mark
+            raise ApiError(400, "invalid_file", f"the file is not UTF-8 text (byte {at})", "file") from None
         requests, problems = read_input(lines)
         if problems:
             shown = "; ".join(str(p) for p in problems[:5])
@@ -170,7 +179,7 @@ def _form_object(form: Any, name: str) -> dict | None:
     fields = {k[len(prefix):-1]: v for k, v in form.multi_items() if k.startswith(prefix) and k.endswith("]")}
     if not fields:
         return None
-    if isinstance(fields.get("seconds"), str) and fields["seconds"].isdigit():
+    if isinstance(fields.get("seconds"), str) and fields["seconds"].isascii() and fields["seconds"].isdecimal():
         fields["seconds"] = int(fields["seconds"])
     return fields
 

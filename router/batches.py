@@ -6,15 +6,16 @@ job's output in `<id>/output.jsonl`), moved on at each `poll()`:
 
     validating -> in_progress (its job submitted) -> finalizing (the output split into the
     output and error files) -> completed
-    failed     (the input is refused, or the job failed `max_attempts` times)
+    failed     (the input is refused or deleted, or the job failed `max_attempts` times)
     cancelling -> cancelled, and expired (past its completion window): partial results kept
 
 A job that fails or stops on its own is submitted again with the same output file: the runner
-skips the ids already answered, so every line is answered exactly once. A batch whose job could
-not be submitted yet stays `validating` (the create still answers, so a client's retry never
-makes a second batch) until a poll submits it or its window ends. A finalize that fails
-half-way is done again with the end it was heading for, and never runs the job again. A service that
-restarts reads the records back and carries on. The tenant's key is kept for the batch's jobs
+skips the ids already answered, so every line is answered exactly once (an input file that
+expires meanwhile is kept until the batch ends). A batch whose job could not be submitted yet
+stays `validating` (the create still answers, so a client's retry never makes a second batch)
+until a poll submits it or its window ends. A finalize that fails half-way is done again with
+the end it was heading for, and never runs the job again. A service that restarts reads the
+records back and carries on. The tenant's key is kept for the batch's jobs
 in a file readable by its owner only (`<id>/key`, never in a record, nor in the job's runtime
 environment, which the dashboard shows) and removed when the batch ends.
 
@@ -41,6 +42,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 WINDOWS = {"24h": 24 * 3600}
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _STOPPED = ("FAILED", "STOPPED")
+SWEEP_INTERVAL_S = 60.0
 
 
 class JobRunner(Protocol):
@@ -66,6 +68,7 @@ class Batches:
     def __init__(self, settings: BatchSettings, files: FileStore, runner: JobRunner,
                  clock: Callable[[], float]) -> None:
         self._s, self._files, self._runner, self._clock = settings, files, runner, clock
+        self._swept_at = -float("inf")
 
     # -- the API ----------------------------------------------------------------------
 
@@ -128,11 +131,9 @@ class Batches:
         return _public(record)
 
     def poll(self) -> None:
-        """Move every batch that is not finished on by one step, and remove expired files."""
-        try:
-            self._files.sweep()
-        except OSError:  # a shared volume's hiccup: the next poll sweeps again
-            log.exception("could not remove expired files")
+        """Move every batch that is not finished on by one step; now and then, remove expired
+        files (but the inputs of batches not finished: a job run again reads its input)."""
+        reading = set()
         for folder in self._s.root.glob("*/batches") if self._s.root.is_dir() else ():
             for path in folder.glob("batch_*.json"):
                 record = _read(path)
@@ -141,6 +142,14 @@ class Batches:
                         self._advance(record)
                     except Exception:  # one batch's trouble must not stop the others
                         log.exception("batch %s: could not move it on", record["id"])
+                    if record["status"] not in TERMINAL:
+                        reading.add(self._files.path(record["_tenant"], record["input_file_id"]))
+        if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
+            try:
+                self._files.sweep(keep=reading)
+                self._swept_at = self._clock()
+            except OSError:  # a shared volume's hiccup: the next poll sweeps again
+                log.exception("could not remove expired files")
 
     def _input(self, tenant: str, file_id: str) -> dict:
         try:
@@ -152,7 +161,7 @@ class Batches:
     # -- the life of a batch ----------------------------------------------------------
 
     def _validate(self, record: dict, key: str) -> None:
-        path = self._files.content_path(record["_tenant"], record["input_file_id"])
+        path = self._files.content_path(record["_tenant"], record["input_file_id"], expired_ok=True)
         lines = jsonl_lines(path.read_bytes(), errors="replace")
         requests, problems = read_input(lines)
         url = {v: k for k, v in ENDPOINTS.items()}
@@ -206,12 +215,12 @@ class Batches:
 
     def _submit(self, record: dict) -> None:
         try:
-            path = self._files.content_path(record["_tenant"], record["input_file_id"])
-        except ApiError:  # deleted or expired: no job can read it, so the batch ends now, its answers kept
+            path = self._files.content_path(record["_tenant"], record["input_file_id"], expired_ok=True)
+        except ApiError:  # deleted: no job can read it, so the batch ends now, its answers kept
             record["errors"] = {"object": "list", "data": [{
                 "code": "input_file_missing", "line": None, "param": "input_file_id",
-                "message": f"the input file {record['input_file_id']!r} was deleted or expired before the batch's "
-                           "job could read it"}]}
+                "message": f"the input file {record['input_file_id']!r} was deleted before the batch's job could "
+                           "read it"}]}
             self._finalize(record, "failed")
             return
         args = ["--input", str(path),

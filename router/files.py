@@ -5,9 +5,9 @@ Kubernetes, so that every router replica and the batch jobs see the same files).
     <root>/<tenant>/files/<file id>.json     its OpenAI file object
 
 A tenant sees only its own folder: another tenant's file id is simply not found. A file kept
-under an expiry policy (OpenAI's `expires_after`) is gone from its `expires_at` on: not found,
-not listed, and removed by `sweep()` or by the first look at it. Pure file I/O with the clock
-as a parameter; no Ray.
+under an expiry policy (OpenAI's `expires_after`) is gone for its tenant from its `expires_at`
+on (not found, not listed, not deleted twice); only `sweep()` removes it, and not while an
+unfinished batch still reads it. Pure file I/O with the clock as a parameter; no Ray.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ _ID = re.compile(r"file-[0-9a-f]{24}")
 EXPIRY_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on an expiry policy's seconds
 
 
-def expiry_seconds(policy: Any, field: str) -> int | None:
-    """The seconds of an expiry policy (`{"anchor": "created_at", "seconds": N}`), or None for none."""
+def expiry_seconds(policy: Any, field: str, how: str = "") -> int | None:
+    """The seconds of an expiry policy (`{"anchor": "created_at", "seconds": N}`), or None for none;
+    `how` says how the caller sends one, for the error."""
     if policy is None:
         return None
     low, high = EXPIRY_S
     if not (isinstance(policy, dict) and policy.get("anchor") == "created_at" and set(policy) == {"anchor", "seconds"}
             and type(policy["seconds"]) is int and low <= policy["seconds"] <= high):
-        raise ApiError(400, "invalid_value", f"{field} must be {{'anchor': 'created_at', 'seconds': N}} with N from "
-                                             f"{low} to {high}", field)
+        raise ApiError(400, "invalid_value", f"{field} must be {{'anchor': 'created_at', 'seconds': N}}{how} with N "
+                                             f"from {low} to {high}", field)
     return policy["seconds"]
 
 
@@ -67,66 +68,66 @@ class FileStore:
         write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
         return meta
 
-    def get(self, tenant: str, file_id: str) -> dict:
-        path = self._meta_path(tenant, file_id)
-        try:
-            meta = json.loads(path.read_text())
-        except (OSError, ValueError):
-            meta = None
-        if meta is None or self._expired(tenant, meta):
+    def get(self, tenant: str, file_id: str, expired_ok: bool = False) -> dict:
+        """A file's object; `expired_ok` for a batch that still reads its input."""
+        meta = _read_meta(self._meta_path(tenant, file_id))
+        if meta is None or (self._expired(meta) and not expired_ok):
             raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
         return meta
 
-    def content_path(self, tenant: str, file_id: str) -> Path:
-        self.get(tenant, file_id)
+    def content_path(self, tenant: str, file_id: str, expired_ok: bool = False) -> Path:
+        self.get(tenant, file_id, expired_ok)
+        return self.path(tenant, file_id)
+
+    def path(self, tenant: str, file_id: str) -> Path:
+        """Where a file's content is (or would be), unchecked."""
         return self._dir(tenant) / file_id
 
     def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None) -> dict:
         folder = self._dir(tenant)
         metas = []
         for path in folder.glob("file-*.json") if folder.is_dir() else ():
-            try:
-                metas.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue  # being deleted
-        metas = sorted((m for m in metas if (purpose is None or m["purpose"] == purpose)
-                        and not self._expired(tenant, m)),
+            if (meta := _read_meta(path)) is not None:  # else being deleted
+                metas.append(meta)
+        metas = sorted((m for m in metas if (purpose is None or m["purpose"] == purpose) and not self._expired(m)),
                        key=lambda m: (-m["created_at"], m["id"]))
         return page(metas, limit, after)
 
     def delete(self, tenant: str, file_id: str) -> dict:
         meta_path = self._meta_path(tenant, file_id)
-        if not meta_path.exists():
-            raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
+        self.get(tenant, file_id)
         meta_path.unlink(missing_ok=True)
         (self._dir(tenant) / file_id).unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def sweep(self) -> None:
-        """Remove every tenant's expired files."""
+    def sweep(self, keep: set[Path] = frozenset()) -> None:
+        """Remove every tenant's expired files but those whose content path is in `keep`."""
         for folder in self._root.glob("*/files") if self._root.is_dir() else ():
             for path in folder.glob("file-*.json"):
-                try:
-                    meta = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                self._expired_in(folder, meta)
+                meta = _read_meta(path)
+                if meta is not None and self._expired(meta) and folder / meta["id"] not in keep:
+                    path.unlink(missing_ok=True)  # the object first, as `delete` does
+                    (folder / meta["id"]).unlink(missing_ok=True)
 
-    def _expired(self, tenant: str, meta: dict) -> bool:
-        return self._expired_in(self._dir(tenant), meta)
-
-    def _expired_in(self, folder: Path, meta: dict) -> bool:
-        """Whether the file has expired; if so it is removed (the object first, as `delete` does)."""
-        if meta.get("expires_at") is None or self._clock() < meta["expires_at"]:
-            return False
-        (folder / f"{meta['id']}.json").unlink(missing_ok=True)
-        (folder / meta["id"]).unlink(missing_ok=True)
-        return True
+    def _expired(self, meta: dict) -> bool:
+        return meta.get("expires_at") is not None and self._clock() >= meta["expires_at"]
 
     def _meta_path(self, tenant: str, file_id: str) -> Path:
         if not _ID.fullmatch(file_id):
             raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
         return self._dir(tenant) / f"{file_id}.json"
+
+
+def _read_meta(path: Path) -> dict | None:
+    """A file's object, or None (being written or deleted, or not one)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(meta, dict) and isinstance(meta.get("id"), str) and _ID.fullmatch(meta["id"])):
+        return None
+    expires = meta.get("expires_at")
+    return meta if expires is None or isinstance(expires, (int, float)) else None
 
 
 def write_whole(path: Path, data: bytes) -> None:

@@ -224,6 +224,9 @@ async def test_the_file_edges_a_user_meets(api):
     with pytest.raises(openai.APIStatusError) as e:
         await client.files.create(file=("in.jsonl", content + b"\n"), purpose="batch")
     assert e.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.files.create(file=("in.jsonl", b"\xef\xbb\xbf{\xff"), purpose="batch")
+    assert "(byte 4)" in e.value.body["message"], "the file's own offset, the mark counted"
     with pytest.raises(openai.NotFoundError) as e:
         await client.batches.create(input_file_id="file-" + "0" * 24, endpoint="/v1/completions",
                                     completion_window="24h")
@@ -231,7 +234,7 @@ async def test_the_file_edges_a_user_meets(api):
 
 
 @sync
-async def test_files_expire_when_asked_and_a_batch_whose_input_went_fails_visibly(api):
+async def test_files_expire_when_asked_but_not_under_a_batch_still_reading_them(api):
     app, runner, batches = api
     clock = batches._clock
     client = sdk(app, "b")
@@ -241,28 +244,55 @@ async def test_files_expire_when_asked_and_a_batch_whose_input_went_fails_visibl
     assert kept.expires_at is None and short.expires_at == short.created_at + 3600
     b = await client.batches.create(input_file_id=short.id, endpoint="/v1/completions", completion_window="24h",
                                     output_expires_after={"anchor": "created_at", "seconds": 7200})
-    job = next(iter(runner.jobs))
-    runner.answer(job, n=1, then="FAILED")  # the job must be run again, and its input is gone by then
+    runner.answer(next(iter(runner.jobs)), n=1, then="FAILED")  # to be run again after its input expired
     clock.now += 3600
-    with pytest.raises(openai.NotFoundError):
-        await client.files.retrieve(short.id)
+    for call in (client.files.retrieve(short.id), client.files.delete(short.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
     assert {x.id async for x in client.files.list()} == {kept.id}
+    batches.poll()  # the job is run again, and reads its input
+    runner.answer(list(runner.jobs)[-1], then="SUCCEEDED")
     batches.poll()
     b = await client.batches.retrieve(b.id)
-    assert b.status == "failed" and b.request_counts.completed == 1
-    assert b.errors.data[0].param == "input_file_id" and short.id in b.errors.data[0].message
+    assert b.status == "completed" and b.request_counts.completed == 3
     out = await client.files.retrieve(b.output_file_id)
     assert out.expires_at == out.created_at + 7200
     clock.now += 7200
-    batches.poll()  # the batch service's poll removes what expired, read or not
+    batches.poll()  # the batch service's sweep removes what expired, read or not, once no batch reads it
     folder = batches._files._dir("b")
     assert sorted(p.name for p in folder.iterdir()) == sorted([kept.id, f"{kept.id}.json"])
-    for field, policy in (("expires_after", {"anchor": "created_at", "seconds": 60}),
-                          ("expires_after", {"anchor": "last_active_at", "seconds": 3600})):
+    for policy in ({"anchor": "created_at", "seconds": 60}, {"anchor": "last_active_at", "seconds": 3600}):
         with pytest.raises(openai.BadRequestError) as e:
             await client.files.create(file=("in.jsonl", _file(1)), purpose="batch", expires_after=policy)
-        assert e.value.body["param"] == field and "3600" in e.value.body["message"]
+        assert e.value.body["param"] == "expires_after" and "expires_after[seconds]" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         await client.batches.create(input_file_id=kept.id, endpoint="/v1/completions", completion_window="24h",
                                     output_expires_after={"anchor": "created_at", "seconds": 10**9})
     assert e.value.body["param"] == "output_expires_after" and "2592000" in e.value.body["message"]
+
+
+@sync
+async def test_an_upload_names_a_form_field_it_does_not_know(api):
+    """An expiry policy sent some other way than the SDK's was ignored: the file never expired."""
+    app, _, _ = api
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        for field, value in (("expires_after", '{"anchor": "created_at", "seconds": 3600}'),
+                             ("expire_after[seconds]", "3600"), ("expires_after[seconds]", "\u00b2")):
+            r = await http.post("/v1/files", headers={"Authorization": "Bearer key-b"},
+                                data={"purpose": "batch", field: value}, files={"file": ("in.jsonl", _file(1))})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field.split("[")[0], (field, r.text)
+
+
+@sync
+async def test_a_batch_whose_input_was_deleted_ends_failed_with_its_answers(api):
+    """It waited out its 24-hour window, `in_progress`, its job unable to start."""
+    app, runner, batches = api
+    client = sdk(app, "b")
+    f = await client.files.create(file=("in.jsonl", _file(3)), purpose="batch")
+    b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    runner.answer(next(iter(runner.jobs)), n=2, then="FAILED")
+    await client.files.delete(f.id)
+    batches.poll()
+    b = await client.batches.retrieve(b.id)
+    assert b.status == "failed" and b.request_counts.completed == 2 and b.output_file_id is not None
+    assert b.errors.data[0].code == "input_file_missing" and f.id in b.errors.data[0].message
