@@ -49,8 +49,8 @@ class AsyncGate:
             if waiter is not None and not waiter.done():
                 waiter.set_result(t)
             elif waiter is None or waiter.cancelled():
-                # Its caller is gone: give the slot straight back.
-                self._apply(self.gate.release(t.id))
+                # Its caller is gone: the slot straight back, and nothing ran to charge the tenant for.
+                self._apply(self.gate.cancel(t.id, used_tokens=0))
         for r in changes.rejected:
             waiter = self._waiters.get(r.ticket.id)
             if waiter is not None and not waiter.done():
@@ -97,4 +97,4 @@ class Pending:
             return
         if not self._waiter.done():
             self._waiter.cancel()
-        self._gate._apply(self._gate.gate.cancel(self._id))
+        self._gate._apply(self._gate.gate.cancel(self._id, used_tokens=0))  # admitted maybe, but nothing ran

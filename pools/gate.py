@@ -179,8 +179,9 @@ class AdmissionGate:
             self._classes[t.priority].counters[t.tenant] += (used_tokens - t.cost) / t.weight
         return self.poll()
 
-    def cancel(self, ticket_id: int) -> Changes:
-        """Withdraw a ticket: a queued one leaves the queue; an admitted one is released."""
+    def cancel(self, ticket_id: int, used_tokens: int | None = None) -> Changes:
+        """Withdraw a ticket: a queued one leaves the queue; an admitted one is released (as
+        `release` settles it: `used_tokens` 0 when nothing ran)."""
         t = self._queued.get(ticket_id)
         if t is not None:
             self._remove_queued(t)
@@ -188,7 +189,7 @@ class AdmissionGate:
             return self.poll()
         if ticket_id in self._active:
             self._counts["cancelled"] += 1
-            return self.release(ticket_id)
+            return self.release(ticket_id, used_tokens)
         return Changes()
 
     def poll(self) -> Changes:

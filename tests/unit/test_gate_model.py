@@ -226,3 +226,31 @@ def test_async_gate_callers_leaving_at_any_await_leave_nothing_behind():
     for seed in schedules(500):
         with replayable("test_async_gate_callers_leaving_at_any_await_leave_nothing_behind", seed):
             asyncio.run(_async_schedule(random.Random(seed)))
+
+
+def test_a_ticket_admitted_after_its_caller_left_costs_its_tenant_nothing():
+    """A caller cancelled while its ticket waits withdraws it only when its task next runs; a
+    slot freed meanwhile admitted the ticket and released it as a finished request, its whole
+    cost left on the tenant's fair-share counter (so served later than its share) and not
+    counted as cancelled. The same for a caller that leaves just as its ticket is admitted."""
+    async def go(leave_after_admission: bool) -> tuple[AsyncGate, float]:
+        gate = AsyncGate(AdmissionGate(RANGE.limits_for(1), RANGE, CEILINGS, QueuePolicy(8, 10**6), Clock()))
+        first = await gate.offer("a", 1.0, P.STANDARD, 100).wait()
+        pending = gate.offer("b", 1.0, P.STANDARD, 150)
+        before = gate.gate._classes[P.STANDARD].counters["b"]
+        waiting = asyncio.get_running_loop().create_task(pending.wait())
+        await asyncio.sleep(0)
+        if leave_after_admission:
+            gate.release(first, used_tokens=100)  # admits b; its caller leaves before it resumes
+            waiting.cancel()
+        else:
+            waiting.cancel()  # b's caller leaves; before its task runs, a slot frees
+            gate.release(first, used_tokens=100)
+        await asyncio.gather(waiting, return_exceptions=True)
+        return gate, before
+
+    for leave_after_admission in (False, True):
+        gate, before = asyncio.run(go(leave_after_admission))
+        s = gate.gate.stats()
+        assert (s.active, s.cancelled) == (0, 1), s
+        assert gate.gate._classes[P.STANDARD].counters["b"] == before, leave_after_admission
