@@ -150,12 +150,15 @@ class PoolServer:
 
     # -- requests ------------------------------------------------------------------
 
+    def _sent_home(self, retry_after_s: float) -> Rejected:
+        return Rejected(429, "lender_busy", f"pool {self._settings.name!r} is busy with its own work; the request "
+                                            "goes back to its own pool", retry_after_s)
+
     async def generate(self, call: PoolCall) -> AsyncGenerator[Any, None]:
         arrived = time.monotonic()
         if call.borrowed and not self._lends(call):
             self._metrics.rejected(call.tenant, call.priority, "lender_busy")
-            yield Rejected(429, "lender_busy", f"pool {self._settings.name!r} is busy with its own work; the "
-                                               "request goes back to its own pool", 1.0)
+            yield self._sent_home(1.0)
             return
         pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost, call.n)
         try:
@@ -165,9 +168,8 @@ class PoolServer:
         except GateRejected as e:
             r = e.rejection
             self._metrics.rejected(call.tenant, call.priority, r.reason)
-            if r.reason == "lender_busy":
-                yield Rejected(429, r.reason, f"pool {self._settings.name!r} is busy with its own work again; the "
-                                              "request goes back to its own pool", r.retry_after_s)
+            if r.reason == "lender_busy":  # own work came back while it waited here
+                yield self._sent_home(r.retry_after_s)
                 return
             what = "a more important request took its place" if r.reason == "evicted" else "its queue is full"
             yield Rejected(429, r.reason, f"pool {self._settings.name!r} is overloaded: {what}; "
