@@ -45,13 +45,13 @@ class Loops:
         while True:
             try:
                 await step()
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as e:
+                if asyncio.current_task().cancelling():
+                    raise
+                # another task's cancellation, met by the step: a failure like any other
+                failing = self._failed(name, e, interval_s, failing)
             except Exception as e:  # noqa: BLE001 - a failed step is logged; the loop goes on
-                if not failing:
-                    log.warning("%s: %s failed (%s: %s); retrying every %gs", self._owner, name, type(e).__name__, e,
-                                interval_s, exc_info=not isinstance(e, (TimeoutError, ConnectionError, OSError)))
-                failing = True
+                failing = self._failed(name, e, interval_s, failing)
             else:
                 if failing:
                     log.info("%s: %s works again", self._owner, name)
@@ -59,3 +59,10 @@ class Loops:
             if asyncio.current_task().cancelling():  # the step swallowed its cancellation (3.11's wait_for can)
                 raise asyncio.CancelledError
             await asyncio.sleep(interval_s)
+
+    def _failed(self, name: str, e: BaseException, interval_s: float, failing: bool) -> bool:
+        """Log the first failure of a streak; the loop is failing from now on."""
+        if not failing:
+            log.warning("%s: %s failed (%s: %s); retrying every %gs", self._owner, name, type(e).__name__, e,
+                        interval_s, exc_info=not isinstance(e, (TimeoutError, ConnectionError, OSError)))
+        return True
