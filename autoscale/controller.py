@@ -33,8 +33,9 @@ from typing import Callable
 
 from autoscale.config import AutoscaleConfig
 from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
-from autoscale.profile import Fingerprint, Profile
-from autoscale.ranges import RESWEEP_AFTER_S, PoolSpec, allowed_range, judge_sweep, measured_range, settle
+from autoscale.profile import Fingerprint, Profile, SLOSpec
+from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
+                              settle)
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
@@ -62,7 +63,9 @@ class _PoolState:
     policy: PolicyState | None = None  # None until the first report is adopted
     reports: dict[str, tuple[float, ReplicaStats]] = field(default_factory=dict)  # replica -> (received, stats)
     calibration: CalibrationJson = field(default_factory=lambda: CalibrationJson(state="unknown"))
-    measured: SafeRange | None = None  # the range of the profile the pool runs on
+    measured: SafeRange | None = None  # the range of the profile the pool runs on, at its SLO
+    profile: Profile | None = None  # that profile, as measured (at its sweep's SLO)
+    profile_calibration: CalibrationJson | None = None  # the calibration it came with, before the SLO's judgement
     sweep: int | None = None  # a background sweep's pin: never kept across restarts (a new sweep starts)
     fingerprint: Fingerprint | None = None
     last_logged: str = ""
@@ -102,7 +105,7 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
-        target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
+        target = self.target(stats.pool)
         reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
 
@@ -146,8 +149,7 @@ class Controller:
             safe_range=self.allowed(p.spec.name), ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
             cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
             headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
-            settle_s=c.latency_window_s, min_step_gain=c.min_step_gain,
-        )
+            settle_s=c.latency_window_s, min_step_gain=c.min_step_gain)
 
     # -- views -------------------------------------------------------------------
 
@@ -170,10 +172,10 @@ class Controller:
         return p.operator.slo or SloJson(ttft_p99_ms=p.spec.ttft_slo_s * 1e3, tpot_p99_ms=p.spec.tpot_slo_s * 1e3)
 
     def target(self, name: str) -> int | None:
-        p = self._pools[name]
-        if (pinned := self._pinned(p)) is not None:
-            return pinned
-        return None if p.policy is None else p.policy.target
+        """A pin's limit, else the policy's, inside the range the pool may use now (it may just have moved)."""
+        p, allowed = self._pools[name], self.allowed(name)
+        t = self._pinned(p) if self._pinned(p) is not None else None if p.policy is None else p.policy.target
+        return None if t is None else min(max(t, allowed.low), allowed.high)
 
     @staticmethod
     def _pinned(p: _PoolState) -> int | None:
@@ -181,11 +183,8 @@ class Controller:
 
     def views(self) -> dict[str, PoolView]:
         now, max_age = self._clock(), self._config.stats_max_age_s
-        out = {}
-        for name, p in self._pools.items():
-            target = self.target(name)
-            out[name] = _view(p, target if target is not None else self.allowed(name).low, now, max_age)
-        return out
+        return {name: _view(p, t if (t := self.target(name)) is not None else self.allowed(name).low, now, max_age)
+                for name, p in self._pools.items()}
 
     def status(self, name: str) -> PoolStatus:
         p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
@@ -218,7 +217,9 @@ class Controller:
         self._set_calibration(p, calibration, profile)
 
     def _set_calibration(self, p: _PoolState, calibration: CalibrationJson, profile: Profile | None) -> None:
-        p.calibration = calibration
+        """The pool runs on `profile` (None: keeps its measured range), judged at its SLO, now and when it changes."""
+        p.profile, p.profile_calibration = profile or p.profile, calibration
+        p.calibration, profile = at_slo(calibration, profile, SLOSpec(**self.slo(p.spec.name).model_dump()))
         if profile is not None:
             p.measured = measured_range(p.spec, profile)
         self._bump(p)
@@ -289,7 +290,9 @@ class Controller:
         return PinResult(pool=name, epoch=p.operator.epoch)
 
     def set_slo(self, name: str, slo: SloJson) -> None:
-        self._set(self._pools[name], slo=slo)
+        self._set(p := self._pools[name], slo=slo)
+        if p.profile is not None:  # the range its rows give at the new SLO
+            self._set_calibration(p, p.profile_calibration, p.profile)
         log.info("pool %s: SLO set to P99 TTFT %.0f ms, P99 TPOT %.1f ms", name, slo.ttft_p99_ms, slo.tpot_p99_ms)
 
     def set_lending(self, name: str, enabled: bool) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoscale.profile import Fingerprint, Profile
+from autoscale.knee import find_knee
+from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.store import ProfileStore
 from pools.config import CalibrationConfig
 from pools.control import CalibrationJson
@@ -34,6 +35,22 @@ class PoolSpec:
 def measured_range(spec: PoolSpec, profile: Profile) -> SafeRange:
     r = spec.safe_range
     return SafeRange(profile.ladder, *profile.range, r.tokens_per_seq, r.max_inflight_tokens)
+
+
+def at_slo(calibration: CalibrationJson, profile: Profile | None, slo: SLOSpec
+           ) -> tuple[CalibrationJson, Profile | None]:
+    """A profile's range judged at the SLO a pool runs at. Its rows are what its sweep measured,
+    whatever SLO that sweep was run for; the range it chose was chosen at that SLO, and a pool
+    held to a tighter one must not run at steps whose measured P99s break it (nor stay below
+    steps a looser one allows, up to the top of the measured ladder)."""
+    if profile is None or profile.slo == slo:
+        return calibration, profile
+    v = find_knee(profile.rows, slo, profile.rule)
+    judged = profile.model_copy(update={"slo": slo, "knee": v.knee, "range": (v.low, v.high), "feasible": v.feasible,
+                                        "decided_by": v.decided_by, "reason": v.reason})
+    return calibration.model_copy(update={"detail": (
+        f"range {list(judged.range)} at this pool's SLO (P99 TTFT {slo.ttft_p99_ms:g} ms, TPOT {slo.tpot_p99_ms:g} "
+        f"ms), set by the {v.decided_by} rule; its sweep's SLO gave {list(profile.range)}")}), judged
 
 
 def allowed_range(spec: PoolSpec, state: str, measured: SafeRange | None, calibrating_pin: bool) -> SafeRange:

@@ -255,3 +255,28 @@ def test_a_sweep_that_is_not_evidence_is_neither_kept_nor_adopted(unsteady):
     assert c.calibration("p").state == "failed" and c.needs_sweep() == []
     assert (c.allowed("p").low, c.allowed("p").high) == (FALLBACK.low, FALLBACK.high)
     assert store.get("p", Fingerprint(**FP)) is None
+
+
+def test_a_profile_is_judged_at_the_pools_own_slo():
+    """A profile's range was chosen at the SLO of its sweep; a pool run at a tighter one (in its
+    config, or set at runtime) kept that range, steps whose measured P99 break its SLO included."""
+    from autoscale.knee import find_knee
+    from pools.control import SloJson
+
+    rows = configured_profile().rows
+    tight = SLOSpec(ttft_p99_ms=70, tpot_p99_ms=100)
+    expected = find_knee(rows, tight, KneeRule()).high
+    assert expected < 8, "the test needs an SLO that the measured rows break within the profile's range"
+    c = controller(spec("auto").__class__(**{**spec("auto").__dict__, "ttft_slo_s": 0.07}))
+    report(c, ELSEWHERE)
+    assert c.calibration("p").state == "profile" and (c.allowed("p").low, c.allowed("p").high) == (1, expected)
+    assert f"[1, {expected}]" in c.calibration("p").detail
+
+    c = controller(spec("auto"))
+    report(c, ELSEWHERE)
+    assert (c.allowed("p").low, c.allowed("p").high) == (1, 8)
+    c.set_slo("p", SloJson(ttft_p99_ms=70, tpot_p99_ms=100))
+    assert (c.allowed("p").low, c.allowed("p").high) == (1, expected)
+    assert (report(c, ELSEWHERE).allowed.high, c.status("p").safe_range) == (expected, (1, expected))
+    c.set_slo("p", SloJson(ttft_p99_ms=1000, tpot_p99_ms=100))
+    assert (c.allowed("p").low, c.allowed("p").high) == (1, 8)
