@@ -41,7 +41,7 @@ class TrafficSpec(Frozen):
 
 class LadderRow(Frozen):
     max_active_seqs: int
-    requests: int
+    requests: int  # answered in the measured window (errors and rejections are counted apart)
     duration_s: float
     steady: bool  # the window measured was steady (else the step hit its time cap: not evidence)
     req_per_s: float

@@ -25,6 +25,7 @@ from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SL
                                load_profile)
 from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
+from infra.results import Result, Summary
 from infra.stats import counter_rate
 from infra.traffic import synthetic_lengths, trace_lengths
 
@@ -112,17 +113,22 @@ def measure_step(args, admin: AdminClient, target: Target, lengths, slo: SLOSpec
     if engine_rate is None:
         print(f"  (no engine token count covers the step at {seqs}: its throughput is counted from completed "
               "responses)", file=sys.stderr)
-    done = run.completed_in_window()
-    errors = round(s.error_rate * s.requests)
+    return step_row(seqs, s, run.steady, run.completed_in_window(), engine_rate, sampler.kv_max, sampler.preemptions)
+
+
+def step_row(seqs: int, s: Summary, steady: bool, done: list[Result], engine_rate: float | None, kv_max: float,
+             preemptions: int) -> LadderRow:
+    """A step's row. `requests` counts the answered ones, as the background sweep's rows do: the
+    knee rule's error rate is errors over answered plus errors, and a step where every request
+    failed must show no TTFT rather than switch the whole ladder to end-to-end latency."""
     return LadderRow(
-        max_active_seqs=seqs, requests=s.requests, duration_s=round(s.duration_s, 2), steady=run.steady,
+        max_active_seqs=seqs, requests=s.completed, duration_s=round(s.duration_s, 2), steady=steady,
         req_per_s=s.req_per_s, input_tok_per_s=s.input_tok_per_s,
         output_tok_per_s=s.output_tok_per_s if engine_rate is None else engine_rate,
         goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
-        e2e_ms=_pct(s.e2e_ms), kv_usage_max=sampler.kv_max, preemptions=sampler.preemptions, errors=errors,
-        rejections=round(s.rejection_rate * s.requests),
-        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None,
-    )
+        e2e_ms=_pct(s.e2e_ms), kv_usage_max=kv_max, preemptions=preemptions,
+        errors=round(s.error_rate * s.requests), rejections=round(s.rejection_rate * s.requests),
+        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None)
 
 
 def _write(profile, out: Path) -> None:
