@@ -27,6 +27,7 @@ from typing import Any, Callable
 from autoscale.calibrate import build_profile
 from autoscale.controller import Controller
 from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec
+from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
 from infra.stats import counter_rate, percentile
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
@@ -36,10 +37,15 @@ from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Re
 log = logging.getLogger("poolserve.autoscale")
 
 TENANT = "poolserve-calibration"
+WAIT_FOR_POOL_S = 120.0  # a pool that does not pause (or has no replica) this long lets the other pools sweep
 
 
 class Interrupted(Exception):
     """The pool's own traffic arrived during a step."""
+
+
+class NotNow(Exception):
+    """The pool had no replica to measure, or no pause in its own traffic, for `WAIT_FOR_POOL_S`."""
 
 
 @dataclass
@@ -58,10 +64,13 @@ class Calibrator:
         self._clock, self._sleep, self._seed = clock, sleep, seed
         self.running: str | None = None
         self._busy_at = 0.0  # when the pool being calibrated last had traffic of its own
+        self._not_before: dict[str, float] = {}  # pools that could not be measured: their next try
 
     async def step(self) -> None:
         """One turn of the background loop: calibrate the next pool that needs it, if any."""
-        if self.running is None and (waiting := self._c.needs_sweep()):
+        now = self._clock()
+        if self.running is None and (waiting := [n for n in self._c.needs_sweep()
+                                                 if now >= self._not_before.get(n, now)]):
             await self.calibrate(waiting[0])
 
     async def calibrate(self, name: str) -> None:
@@ -79,6 +88,10 @@ class Calibrator:
             profile = build_profile(name, rows, self._c.fingerprint(name), SLOSpec(**slo.model_dump()),
                                     self._traffic(name), KneeRule(), (), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             self._c.adopt(name, profile)
+        except NotNow as e:  # the sweeper goes to the other pools; this one starts over later
+            self._not_before[name] = self._clock() + RESWEEP_AFTER_S
+            log.info("pool %s: calibration waits: %s", name, e)
+            self._c.sweep_progress(name, f"{e}; the fallback range, and a sweep again in {RESWEEP_AFTER_S:g} s")
         except Exception as e:  # noqa: BLE001 - a failed sweep leaves the pool at its fallback range
             log.exception("pool %s: calibration failed", name)
             self._c.sweep_failed(name, f"{type(e).__name__}: {e}")
@@ -103,19 +116,24 @@ class Calibrator:
     async def _quiet(self, name: str) -> None:
         """Until the pool has had no traffic of its own for `quiet_s` (synthetic requests of the step
         before may still end: they are the sweep's own)."""
-        quiet_s = self._c.spec(name).calibration.quiet_s
+        quiet_s, since = self._c.spec(name).calibration.quiet_s, self._clock()
         while True:
             now, reports = self._clock(), self._c.replica_stats(name)
             if not reports or any(s.gate.own_work for s in reports):
                 self._busy_at = now
+                if now - since > WAIT_FOR_POOL_S:
+                    raise NotNow(f"{'its own traffic did not pause' if reports else 'no replica reported'} for "
+                                 f"{WAIT_FOR_POOL_S:g} s")
             elif now - self._busy_at >= quiet_s:
                 return
             await self._sleep(0.2)
 
     async def _measure(self, name: str, seqs: int) -> LadderRow:
         cal = self._c.spec(name).calibration
-        epoch = self._c.sweep_pin(name, seqs)
+        epoch, since = self._c.sweep_pin(name, seqs), self._clock()
         while not (reports := self._c.replica_stats(name)) or any(s.applied_epoch < epoch for s in reports):
+            if self._clock() - since > WAIT_FOR_POOL_S:
+                raise NotNow(f"no replica applied the step's limit within {WAIT_FOR_POOL_S:g} s")
             await self._sleep(0.2)
         lengths, results, samples = self._lengths(name), [], []
         start = self._clock()

@@ -280,3 +280,28 @@ def test_a_profile_is_judged_at_the_pools_own_slo():
     assert (report(c, ELSEWHERE).allowed.high, c.status("p").safe_range) == (expected, (1, expected))
     c.set_slo("p", SloJson(ttft_p99_ms=1000, tpot_p99_ms=100))
     assert (c.allowed("p").low, c.allowed("p").high) == (1, 8)
+
+
+def test_a_pool_with_no_replica_to_measure_yields_the_sweeper():
+    """Sweeps run one at a time, and a step waited, without end, for a pool with no replica
+    reporting (scaled to zero) or whose own traffic never paused: no other pool calibrated."""
+    from autoscale.selfcal import WAIT_FOR_POOL_S
+
+    now = [0.0]
+
+    async def sleep(seconds):
+        now[0] += seconds
+        await asyncio.sleep(0)
+
+    c = Controller({"p": spec("auto")}, AutoscaleConfig(), lambda: now[0])
+    report(c, FP)  # the pool calibrates; then its replicas go, and report no more
+    assert c.needs_sweep() == ["p"]
+    cal = Calibrator(c, lambda name: None, 2048, clock=lambda: now[0], sleep=sleep)
+    asyncio.run(asyncio.wait_for(cal.step(), 30))
+    assert cal.running is None and WAIT_FOR_POOL_S <= now[0] <= 2 * WAIT_FOR_POOL_S
+    assert "no replica" in c.calibration("p").detail and c.status("p").pinned is None
+    waited = now[0]
+    asyncio.run(asyncio.wait_for(cal.step(), 30))  # the other pools' turn: this one not before a minute
+    assert now[0] == waited
+    now[0] += RESWEEP_AFTER_S
+    assert c.needs_sweep() == ["p"]
