@@ -2,7 +2,8 @@
 
 A profile is only valid for the set-up it was measured on. Its fingerprint
 (`pools.config.Fingerprint`) names the model, dtype / quantisation, context length,
-hardware, vLLM version and engine ceilings; a running pool whose own fingerprint
+hardware, vLLM version, engine ceilings and the rest of the engine's set-up (the model's
+shape, block size, eager mode, chunked prefill, cores bound); a running pool whose own fingerprint
 differs treats the profile as stale.
 """
 

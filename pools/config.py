@@ -30,6 +30,9 @@ class Fingerprint(Frozen):
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_gb: float
+    # the model's shape, KV block size, eager mode, chunked prefill, CPU cores bound (`pools.engine.setup_name`);
+    # empty in profiles from before it was kept: those no longer match, and the set-up is measured again
+    engine: str = ""
 
     def differences(self, running: "Fingerprint") -> list[str]:
         """Human-readable differences, e.g. "hardware: profile 'cpu:...' vs running 'gpu:...'"."""

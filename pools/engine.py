@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import json
 import os
 import platform
 import time
@@ -28,6 +30,7 @@ class EngineFacts:
     kv_capacity_tokens: int
     block_size: int
     cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
+    setup: str = ""  # what else shapes throughput (`setup_name`)
 
 
 class Engine(Protocol):
@@ -85,6 +88,29 @@ class StatsBox:
         horizon = self._clock() - window_s
         return LatencySample(tuple(v for t, v in self._ttft if t >= horizon),
                              tuple(v for t, v in self._tpot if t >= horizon))
+
+
+ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size")
+
+
+def setup_name(hf_config: Any, block_size: int, eager: bool, chunked_prefill: bool) -> str:
+    """The rest of an engine's set-up a profile depends on: the model's shape (the served name may
+    stay while the weights change; a fine-tune of the same shape runs alike), the KV block size,
+    eager mode, chunked prefill, and how many CPU cores its threads are bound to."""
+    shape = {k: getattr(hf_config, k, None) for k in ARCHITECTURE}
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return (f"{shape['model_type']}:{digest} block={block_size} eager={eager} chunked_prefill={chunked_prefill} "
+            f"threads={_cores(os.environ.get('VLLM_CPU_OMP_THREADS_BIND'))}")
+
+
+def _cores(bind: str | None) -> str:
+    """How many cores a thread binding like '0-3,6' names (5), or the binding as it is ('auto')."""
+    try:
+        return str(sum(int(b) - int(a) + 1 for a, _, b in (p.partition("-") if "-" in p else (p, "", p)
+                                                          for p in bind.split(","))))
+    except (AttributeError, ValueError):
+        return bind or "all"
 
 
 def hardware_name() -> str:

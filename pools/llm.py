@@ -130,15 +130,18 @@ class RayLLMEngine:
     def facts(self):
         import vllm
 
-        from pools.engine import EngineFacts, hardware_name
+        from pools.engine import EngineFacts, hardware_name, setup_name
 
         if self._vllm_config is None:
             return None
-        cache = self._vllm_config.cache_config
-        sizes = self._vllm_config.compilation_config.cudagraph_capture_sizes or []
+        c = self._vllm_config
+        cache, model = c.cache_config, c.model_config
+        sizes = c.compilation_config.cudagraph_capture_sizes or []
         return EngineFacts(vllm_version=vllm.__version__, hardware=hardware_name(),
                            kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
-                           block_size=cache.block_size, cudagraph_capture_sizes=tuple(sorted(sizes)))
+                           block_size=cache.block_size, cudagraph_capture_sizes=tuple(sorted(sizes)),
+                           setup=setup_name(model.hf_config, cache.block_size, model.enforce_eager,
+                                            c.scheduler_config.enable_chunked_prefill))
 
     def generate(self, call: Any):
         from pools.engine import batched

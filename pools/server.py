@@ -265,7 +265,7 @@ class PoolServer:
         facts = self._engine.facts()
         detected = facts.hardware if facts else hardware_name()
         return Fingerprint(**self._settings.fingerprint_base, hardware=self._settings.hardware or detected,
-                           vllm_version=facts.vllm_version if facts else "unknown")
+                           vllm_version=facts.vllm_version if facts else "unknown", engine=facts.setup if facts else "")
 
     async def describe(self) -> Describe:
         """The engine's facts (KV capacity, CUDA-graph sizes) and this replica's fingerprint."""

@@ -87,3 +87,17 @@ def test_loadgen_agrees_with_vllm_bench_serve(stack):
     assert out["ours"]["n"] >= 60 and out["vllm"]["n"] >= 90, out  # most of both runs overlapped
     for name in ("ttft_ms", "tpot_ms"):
         assert abs(out["relative_difference"][name]) <= 0.15, (name, out)
+
+
+def test_the_shipped_profiles_fit_the_embedded_default(stack):
+    """The profiles in deployments/configs/profiles/ were measured on the embedded default's
+    engines (this suite's are the same): every part of a running replica's fingerprint but the
+    hardware is theirs, so on their hardware the default's pools run in their range at once, and
+    anywhere else only the hardware sends them to a sweep."""
+    from autoscale.profile import Fingerprint
+
+    for pool in ("online-chat", "offline-batch"):
+        shipped = load_profile(REPO / "deployments" / "configs" / "profiles" / f"{pool}.yaml").fingerprint
+        running = Fingerprint(**stack.admin_client.describe(pool).fingerprint)
+        assert [d for d in shipped.differences(running) if not d.startswith("hardware:")] == [], pool
+        assert running.engine.startswith("llama:") and "threads=1" in running.engine

@@ -305,3 +305,28 @@ def test_a_pool_with_no_replica_to_measure_yields_the_sweeper():
     assert now[0] == waited
     now[0] += RESWEEP_AFTER_S
     assert c.needs_sweep() == ["p"]
+
+
+def test_the_fingerprint_tells_set_ups_apart_that_run_differently(monkeypatch):
+    """The fingerprint named the model only by the id clients send, and the hardware by the
+    machine's cores: new weights under the same id, eager mode, another KV block size, chunked
+    prefill off, or an engine bound to four cores instead of one reused the old profile."""
+    from pools.engine import setup_name
+
+    llama = SimpleNamespace(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, intermediate_size=128, vocab_size=1000, name_or_path="/a")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    base = setup_name(llama, 16, False, True)
+    fine_tune = SimpleNamespace(**{**vars(llama), "name_or_path": "/elsewhere/fine-tuned"})
+    assert setup_name(fine_tune, 16, False, True) == base, "the same shape runs alike, wherever it is"
+    deeper = SimpleNamespace(**{**vars(llama), "num_hidden_layers": 32})
+    others = {setup_name(deeper, 16, False, True), setup_name(llama, 128, False, True),
+              setup_name(llama, 16, True, True), setup_name(llama, 16, False, False)}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    others.add(setup_name(llama, 16, False, True))
+    assert len(others) == 5 and base not in others and "threads=4" in setup_name(llama, 16, False, True)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert setup_name(llama, 16, False, True) == base, "one core is one core, whichever"
+    measured = Fingerprint(**{**FP, "engine": base})
+    running = Fingerprint(**{**FP, "engine": setup_name(deeper, 16, False, True)})
+    assert measured != running and measured.differences(running)[0].startswith("engine:")
