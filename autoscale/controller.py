@@ -16,10 +16,8 @@ nothing. It cannot know when the limits last moved either, so adoption counts as
 the cooldown and the latency window run from it.
 
 Profiles. A pool configured with a profile runs on the profile measured on its own set-up
-(model, dtype, context, hardware, vLLM, ceilings, engine: the fingerprint its replicas report,
-looked up again when the set-ups they report change; replicas on different set-ups mean the
-fallback range): one kept in the profile store, else the configured one if its fingerprint
-matches. Without one,
+(model, dtype, context, hardware, vLLM, ceilings: the fingerprint its replicas report): one
+kept in the profile store, else the configured one if its fingerprint matches. Without one,
 its `calibration.mode` decides: `auto` serves at the fallback range while a sweep measures a
 profile in the background (`autoscale.selfcal`), then moves inside the measured range;
 `fallback` stays at the fallback range; `strict` runs at the bottom of the configured range.
@@ -36,7 +34,7 @@ from typing import Callable
 from autoscale.config import AutoscaleConfig
 from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
 from autoscale.profile import Fingerprint, Profile, SLOSpec
-from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range, mixed,
+from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
                               settle)
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
@@ -70,7 +68,6 @@ class _PoolState:
     profile_calibration: CalibrationJson | None = None  # the calibration it came with, before the SLO's judgement
     sweep: int | None = None  # a background sweep's pin: never kept across restarts (a new sweep starts)
     fingerprint: Fingerprint | None = None
-    setups: frozenset[Fingerprint] = frozenset()  # the fingerprints its fresh replicas report
     last_logged: str = ""
     discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
     sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
@@ -89,7 +86,8 @@ class Controller:
     # -- replica protocol --------------------------------------------------------
 
     def report(self, stats: ReplicaStats) -> LimitsDirective:
-        p, now = self._pools[stats.pool], self._clock()
+        p = self._pools[stats.pool]
+        now = self._clock()
         last = p.reports.get(stats.replica)
         if last is not None and now - last[0] > self._config.stats_max_age_s:
             log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
@@ -98,8 +96,8 @@ class Controller:
         p.reports[stats.replica] = (now, stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
-        if p.calibration.state == "unknown" or _setups(self.replica_stats(p.spec.name)) != p.setups:
-            self._settle_profile(p)
+        if p.calibration.state == "unknown":
+            self._settle_profile(p, stats)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
             adopted = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
@@ -155,13 +153,12 @@ class Controller:
 
     # -- views -------------------------------------------------------------------
 
-    def replica_stats(self, name: str) -> list[ReplicaStats]:
-        """The reports of its replicas that are fresh."""
+    def _fresh(self, name: str) -> list[ReplicaStats]:
         now, max_age = self._clock(), self._config.stats_max_age_s
         return [s for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
 
     def snapshot(self, name: str) -> PoolSnapshot:
-        return aggregate(self.replica_stats(name))
+        return aggregate(self._fresh(name))
 
     def allowed(self, name: str) -> SafeRange:
         p = self._pools[name]
@@ -197,7 +194,10 @@ class Controller:
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
                           serving_range=(serving.low, serving.high),
                           calibration=p.calibration, lending=p.operator.lending, snapshot=snap,
-                          replicas=tuple(ReplicaStatus.of(s) for s in self.replica_stats(name)))
+                          replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
+
+    def replica_stats(self, name: str) -> list[ReplicaStats]:
+        return self._fresh(name)
 
     def decisions(self, limit: int = 100) -> list[DecisionJson]:
         return list(self._log)[-limit:]
@@ -210,14 +210,11 @@ class Controller:
 
     # -- profiles ------------------------------------------------------------------------
 
-    def _settle_profile(self, p: _PoolState) -> None:
-        """Which profile a pool runs on: decided at its first report, again when its replicas' set-ups change."""
-        p.setups = _setups(self.replica_stats(p.spec.name))
-        if len(p.setups) > 1:
-            p.fingerprint, p.measured = None, None
-            return self._set_calibration(p, mixed(set(p.setups)), None)
-        p.fingerprint = next(iter(p.setups), None)
-        self._set_calibration(p, *settle(p.spec, p.fingerprint, self._profiles))
+    def _settle_profile(self, p: _PoolState, stats: ReplicaStats) -> None:
+        """Which profile a pool runs on, decided at its first report (its fingerprint is known)."""
+        p.fingerprint = Fingerprint(**stats.fingerprint) if stats.fingerprint else None
+        calibration, profile = settle(p.spec, p.fingerprint, self._profiles)
+        self._set_calibration(p, calibration, profile)
 
     def _set_calibration(self, p: _PoolState, calibration: CalibrationJson, profile: Profile | None) -> None:
         """The pool runs on `profile` (None: keeps its measured range), judged at its SLO, now and when it changes."""
@@ -326,10 +323,6 @@ class Controller:
                       slo=SloJson(**saved["slo"]) if saved.get("slo") else None)
         log.info("pool %s: restored operator settings %s", name, op)
         return op
-
-
-def _setups(reports: list[ReplicaStats]) -> frozenset[Fingerprint]:
-    return frozenset(Fingerprint(**s.fingerprint) for s in reports if s.fingerprint)
 
 
 def _view(p: _PoolState, seqs: int, now: float, max_age: float) -> PoolView:

@@ -32,15 +32,6 @@ class PoolSpec:
 
 
 
-def mixed(setups: set[Fingerprint]) -> CalibrationJson:
-    """A pool whose replicas run different set-ups (a rolling upgrade, nodes of two kinds): no
-    one profile fits it, so it runs at its fallback range, and no sweep measures a mixture."""
-    first, *rest = sorted(setups, key=lambda f: f.model_dump_json())
-    why = "; ".join(d for other in rest for d in first.differences(other))
-    return CalibrationJson(state="fallback", source=f"its replicas run {len(setups)} different set-ups ({why})",
-                           detail="the fallback range until they run one")
-
-
 def measured_range(spec: PoolSpec, profile: Profile) -> SafeRange:
     r = spec.safe_range
     return SafeRange(profile.ladder, *profile.range, r.tokens_per_seq, r.max_inflight_tokens)

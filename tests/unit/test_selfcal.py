@@ -330,31 +330,3 @@ def test_the_fingerprint_tells_set_ups_apart_that_run_differently(monkeypatch):
     measured = Fingerprint(**{**FP, "engine": base})
     running = Fingerprint(**{**FP, "engine": setup_name(deeper, 16, False, True)})
     assert measured != running and measured.differences(running)[0].startswith("engine:")
-
-
-def test_a_replica_on_another_set_up_is_seen_when_it_reports():
-    """The set-up was looked up at a pool's first report only: a replica started later on another
-    kind of node, or a rolling upgrade of vLLM, ran on the first set-up's profile for good."""
-    now = [0.0]
-    c = Controller({"p": spec("auto")}, AutoscaleConfig(), lambda: now[0])
-
-    def send(replica, fp):
-        gate = GateStats(active=0, inflight_tokens=0, queued_by_class={}, queued_tokens=0, oldest_wait_s=0,
-                         limits=c.allowed("p").limits_for(c.allowed("p").low), admitted=0, rejected=0, cancelled=0,
-                         evicted=0, completed=0)
-        epoch = c.status("p").epoch if c.calibration("p").state != "unknown" else 0
-        c.report(ReplicaStats("p", replica, time.time(), gate, EngineStats(), LatencySample(), limits_allowed(c),
-                              applied_epoch=epoch, fingerprint=fp))
-
-    send("r1", ELSEWHERE)
-    assert c.calibration("p").state == "profile" and (c.allowed("p").low, c.allowed("p").high) == (1, 8)
-    epoch = c.status("p").epoch
-    for _ in range(3):  # r1 on the profile's set-up, r2 on another
-        send("r1", ELSEWHERE)
-        send("r2", FP)
-    assert c.calibration("p").state == "fallback" and (c.allowed("p").low, c.allowed("p").high) == (1, 16)
-    assert "different set-ups" in c.calibration("p").source and c.needs_sweep() == []
-    assert c.status("p").epoch == epoch + 1, "one change, not one per report"
-    now[0] += AutoscaleConfig().stats_max_age_s + 1  # r1 is gone: every replica runs the new set-up
-    send("r2", FP)
-    assert c.calibration("p").state == "calibrating" and c.needs_sweep() == ["p"]
