@@ -86,8 +86,7 @@ class Controller:
     # -- replica protocol --------------------------------------------------------
 
     def report(self, stats: ReplicaStats) -> LimitsDirective:
-        p = self._pools[stats.pool]
-        now = self._clock()
+        p, now = self._pools[stats.pool], self._clock()
         last = p.reports.get(stats.replica)
         if last is not None and now - last[0] > self._config.stats_max_age_s:
             log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
@@ -105,7 +104,7 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
-        target = self.target(stats.pool)
+        target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
         reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
 
@@ -153,29 +152,27 @@ class Controller:
 
     # -- views -------------------------------------------------------------------
 
-    def _fresh(self, name: str) -> list[ReplicaStats]:
+    def replica_stats(self, name: str) -> list[ReplicaStats]:
+        """The reports of its replicas that are fresh."""
         now, max_age = self._clock(), self._config.stats_max_age_s
         return [s for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
 
     def snapshot(self, name: str) -> PoolSnapshot:
-        return aggregate(self._fresh(name))
+        return aggregate(self.replica_stats(name))
 
     def allowed(self, name: str) -> SafeRange:
         p = self._pools[name]
-        return self._range(p, p.operator.calibrating or p.sweep is not None)
-
-    def _range(self, p: _PoolState, calibrating: bool) -> SafeRange:
-        return allowed_range(p.spec, p.calibration.state, p.measured, calibrating)
+        return allowed_range(p.spec, p.calibration.state, p.measured, p.operator.calibrating or p.sweep is not None)
 
     def slo(self, name: str) -> SloJson:
         p = self._pools[name]
         return p.operator.slo or SloJson(ttft_p99_ms=p.spec.ttft_slo_s * 1e3, tpot_p99_ms=p.spec.tpot_slo_s * 1e3)
 
     def target(self, name: str) -> int | None:
-        """A pin's limit, else the policy's, inside the range the pool may use now (it may just have moved)."""
-        p, allowed = self._pools[name], self.allowed(name)
-        t = self._pinned(p) if self._pinned(p) is not None else None if p.policy is None else p.policy.target
-        return None if t is None else min(max(t, allowed.low), allowed.high)
+        p = self._pools[name]
+        if (pinned := self._pinned(p)) is not None:
+            return pinned
+        return None if p.policy is None else p.policy.target
 
     @staticmethod
     def _pinned(p: _PoolState) -> int | None:
@@ -188,16 +185,13 @@ class Controller:
 
     def status(self, name: str) -> PoolStatus:
         p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
-        serving = self._range(p, False)
+        serving = allowed_range(p.spec, p.calibration.state, p.measured, False)
         return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
                           pinned=self._pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
                           serving_range=(serving.low, serving.high),
                           calibration=p.calibration, lending=p.operator.lending, snapshot=snap,
-                          replicas=tuple(ReplicaStatus.of(s) for s in self._fresh(name)))
-
-    def replica_stats(self, name: str) -> list[ReplicaStats]:
-        return self._fresh(name)
+                          replicas=tuple(ReplicaStatus.of(s) for s in self.replica_stats(name)))
 
     def decisions(self, limit: int = 100) -> list[DecisionJson]:
         return list(self._log)[-limit:]
@@ -218,7 +212,8 @@ class Controller:
 
     def _set_calibration(self, p: _PoolState, calibration: CalibrationJson, profile: Profile | None) -> None:
         """The pool runs on `profile` (None: keeps its measured range), judged at its SLO, now and when it changes."""
-        p.profile, p.profile_calibration = profile or p.profile, calibration
+        if profile is not None:
+            p.profile, p.profile_calibration = profile, calibration
         p.calibration, profile = at_slo(calibration, profile, SLOSpec(**self.slo(p.spec.name).model_dump()))
         if profile is not None:
             p.measured = measured_range(p.spec, profile)
@@ -265,7 +260,7 @@ class Controller:
         """Hold a pool at `seqs` (the autoscaler stops moving it) until `unpin`.
         `calibrating` widens the allowed range to [1, max_num_seqs] for a sweep."""
         p = self._pools[name]
-        allowed = self._range(p, calibrating)
+        allowed = allowed_range(p.spec, p.calibration.state, p.measured, calibrating)
         if not allowed.low <= seqs <= allowed.high or seqs not in allowed.ladder:
             return PinResult(pool=name, error=(
                 f"max_active_seqs={seqs} is outside pool {name!r}'s allowed range [{allowed.low}, {allowed.high}] "
@@ -292,7 +287,11 @@ class Controller:
     def set_slo(self, name: str, slo: SloJson) -> None:
         self._set(p := self._pools[name], slo=slo)
         if p.profile is not None:  # the range its rows give at the new SLO
-            self._set_calibration(p, p.profile_calibration, p.profile)
+            calibration, judged = at_slo(p.profile_calibration, p.profile, SLOSpec(**slo.model_dump()))
+            p.measured = measured_range(p.spec, judged)
+            if p.calibration.state == p.profile_calibration.state:  # a failed sweep's detail stays its own
+                p.calibration = calibration
+            self._bump(p)
         log.info("pool %s: SLO set to P99 TTFT %.0f ms, P99 TPOT %.1f ms", name, slo.ttft_p99_ms, slo.tpot_p99_ms)
 
     def set_lending(self, name: str, enabled: bool) -> None:

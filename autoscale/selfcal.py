@@ -100,9 +100,10 @@ class Calibrator:
             self.running = None
 
     async def _step_until_measured(self, name: str, seqs: int, label: str) -> LadderRow:
+        since = self._clock()  # a step its own traffic keeps interrupting waits as long as one it never lets start
         while True:
             self._c.sweep_progress(name, f"{label}: waiting for the pool to be quiet")
-            await self._quiet(name)
+            await self._quiet(name, since)
             self._c.sweep_progress(name, f"{label}: measuring at {seqs} sequences")
             try:
                 return await self._measure(name, seqs)
@@ -113,10 +114,10 @@ class Calibrator:
 
     # -- one step --------------------------------------------------------------------------
 
-    async def _quiet(self, name: str) -> None:
+    async def _quiet(self, name: str, since: float) -> None:
         """Until the pool has had no traffic of its own for `quiet_s` (synthetic requests of the step
-        before may still end: they are the sweep's own)."""
-        quiet_s, since = self._c.spec(name).calibration.quiet_s, self._clock()
+        before may still end: they are the sweep's own); `NotNow` if it has not since `since` + `WAIT_FOR_POOL_S`."""
+        quiet_s = self._c.spec(name).calibration.quiet_s
         while True:
             now, reports = self._clock(), self._c.replica_stats(name)
             if not reports or any(s.gate.own_work for s in reports):

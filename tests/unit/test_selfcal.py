@@ -280,6 +280,10 @@ def test_a_profile_is_judged_at_the_pools_own_slo():
     assert (report(c, ELSEWHERE).allowed.high, c.status("p").safe_range) == (expected, (1, expected))
     c.set_slo("p", SloJson(ttft_p99_ms=1000, tpot_p99_ms=100))
     assert (c.allowed("p").low, c.allowed("p").high) == (1, 8)
+    c.sweep_failed("p", "boom")  # a state of its own: its range is judged again, its detail stays
+    c.set_slo("p", SloJson(ttft_p99_ms=70, tpot_p99_ms=100))
+    assert (c.allowed("p").high, c.calibration("p").state) == (expected, "failed")
+    assert "boom" in c.calibration("p").detail
 
 
 def test_a_pool_with_no_replica_to_measure_yields_the_sweeper():
