@@ -9,17 +9,31 @@ differs treats the profile as stale.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pools.config import Fingerprint, Frozen
 
 __all__ = ["Fingerprint", "Profile", "load_profile", "dump_profile"]
 
 
-class Percentiles(Frozen):
+class Measured(Frozen):
+    """Numbers a sweep measured or a rule is judged by: NaN compares false with every bound, so a
+    row with NaN for its P99 would pass any SLO and watermark."""
+
+    @field_validator("*")
+    @classmethod
+    def _not_nan(cls, value):
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError("NaN is not a number a range can be judged by: measure the pool again "
+                             "(poolserve calibrate) or give the value")
+        return value
+
+
+class Percentiles(Measured):
     p50: float
     p95: float
     p99: float
@@ -40,7 +54,7 @@ class TrafficSpec(Frozen):
     total_tokens: LengthStats
 
 
-class LadderRow(Frozen):
+class LadderRow(Measured):
     max_active_seqs: int
     requests: int  # answered in the measured window (errors and rejections are counted apart)
     duration_s: float
@@ -60,7 +74,7 @@ class LadderRow(Frozen):
     output_tokens_mean: float | None = None  # per completed response (else output tok/s over req/s)
 
 
-class KneeRule(Frozen):
+class KneeRule(Measured):
     """How a sweep's rows become a safe range (`autoscale.knee`). Hard limits: an SLO broken, KV
     usage above `kv_watermark`, or errors above `max_error_rate`. Saturation, judged from the
     curve's shape whatever the SLO: the first step whose P99 TTFT grows by at least
@@ -82,7 +96,7 @@ class KneeRule(Frozen):
     headroom_steps: int = Field(0, ge=0)
 
 
-class SLOSpec(Frozen):
+class SLOSpec(Measured):
     ttft_p99_ms: float
     tpot_p99_ms: float
 

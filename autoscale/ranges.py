@@ -136,6 +136,8 @@ def settle(spec: PoolSpec, fingerprint: Fingerprint | None, profiles: ProfileSto
         return _found(spec, spec.profile, "the configured profile")
     why = ("; ".join(spec.profile.fingerprint.differences(fingerprint)) if spec.profile is not None
            else "none configured")
+    if damaged := profiles.unreadable.get(profiles.key(spec.name, fingerprint)):
+        why = f"the stored one cannot be read ({damaged}); {why}"
     state = {"auto": "calibrating", "fallback": "fallback", "strict": "strict"}[mode]
     detail = {"calibrating": "a sweep will measure this set-up; the fallback range until then",
               "fallback": "the fallback range (calibration.mode: fallback)",

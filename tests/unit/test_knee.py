@@ -167,3 +167,24 @@ def test_fingerprint_differences_name_the_field():
     diffs = FP.differences(other)
     assert diffs == ["hardware: profile 'cpu:x' vs running 'gpu:H100'",
                      "vllm_version: profile '0.29.0' vs running '0.32.0'"]
+
+
+@pytest.mark.parametrize("where", [("rows", 0, "ttft_ms", "p99"), ("rows", 1, "kv_usage_max"), ("slo", "tpot_p99_ms"),
+                                   ("rule", "max_error_rate")], ids=["ttft", "kv", "slo", "rule"])
+def test_a_profile_with_nan_is_refused_by_name(tmp_path, where):
+    """NaN compares false with every bound: a hand-edited row with `.nan` for its P99 passed
+    every SLO and watermark check, and its step joined the safe range."""
+    import yaml
+    from pydantic import ValidationError
+
+    rows = sweep([4, 8], lambda _: None, lambda s: row(s, 100 * s, 500), progress=lambda _: None)
+    dump_profile(build_profile("online-chat", rows, FP, SLO, TRAFFIC, RULE, [], "2026-12-04"), tmp_path / "p.yaml")
+    data = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = float("nan")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValidationError, match="NaN") as e:
+        load_profile(tmp_path / "p.yaml")
+    assert ".".join(map(str, where)) in str(e.value)
