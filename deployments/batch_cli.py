@@ -49,9 +49,14 @@ class RayJobRunner:
         self._address = address
 
     def submit(self, name: str, args: list[str]) -> str:
-        return _client(self._address).submit_job(
-            entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
-            submission_id=name, metadata={"poolserve": "batch-api"})
+        client = _client(self._address)
+        try:  # submitted before a crash kept the batch's record from saying so: Ray refuses a second one
+            return client.get_job_info(name).submission_id
+        except RuntimeError as e:
+            if not _lost(e):
+                raise
+        return client.submit_job(entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
+                                 submission_id=name, metadata={"poolserve": "batch-api"})
 
     def status(self, job_id: str) -> str:
         try:

@@ -48,6 +48,8 @@ SWEEP_INTERVAL_S = 60.0
 class JobRunner(Protocol):
     """Ray job submission, as the batch service needs it."""
 
+    # A name submitted before is that job, returned, not a second one: the service can die after
+    # a job started and before the batch's record named it, and the next one submits it again.
     def submit(self, name: str, args: list[str]) -> str: ...
     def status(self, job_id: str) -> str: ...  # PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED
     def stop(self, job_id: str) -> None: ...

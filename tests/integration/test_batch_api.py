@@ -106,3 +106,22 @@ def test_a_batch_survives_its_services_restart_and_its_jobs(stack):
     assert sorted(ids) == [f"line-{i:04d}" for i in range(160)], "every line answered exactly once"
     second = jobs.get_job_logs(f"poolserve-{b.id}-2")
     assert "already in" in second, second[-2000:]
+
+
+def test_a_job_submitted_again_under_its_name_is_that_job(stack):
+    """The batch service can die after Ray accepted a batch's job and before the batch's record
+    said so; the next service submits the same name again. Ray refuses a second job of one name,
+    so that batch's every poll raised and it never moved until it expired, its answers dropped."""
+    import uuid
+
+    from ray.job_submission import JobSubmissionClient
+
+    from deployments.batch_cli import RayJobRunner
+
+    runner, name = RayJobRunner(stack.dashboard_url), f"poolserve-test-{uuid.uuid4().hex[:12]}"
+    assert runner.submit(name, ["--help"]) == name
+    assert runner.submit(name, ["--help"]) == name  # the job it started before, not a second one
+    jobs = [j for j in JobSubmissionClient(stack.dashboard_url).list_jobs() if j.submission_id == name]
+    assert len(jobs) == 1
+    wait_for(lambda: runner.status(name) in ("SUCCEEDED", "FAILED", "STOPPED"), 120, interval=1,
+             what="the --help job to end")

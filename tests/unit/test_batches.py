@@ -35,14 +35,18 @@ class FakeRunner:
         self.stopped: list[str] = []
 
     down = False  # Ray's job API unreachable: every call raises
+    die_after_submit = False  # the service dies once the job started, before its record says so
 
     def submit(self, name: str, args: list[str]) -> str:
         if self.down:
             raise ConnectionError("job API unreachable")
-        assert name not in self.jobs, "a job name is used once"
+        if name in self.jobs:  # the runner's promise (`RayJobRunner` asks Ray first): that job
+            return name
         opts = dict(zip(args[::2], args[1::2]))
         self.jobs[name] = {"input": Path(opts["--input"]), "output": Path(opts["--output"]),
                            "key": Path(opts["--key-file"]).read_text(), "state": "RUNNING"}
+        if self.die_after_submit:
+            raise SystemError("the service died")
         return name
 
     def status(self, job_id: str) -> str:
@@ -341,9 +345,10 @@ def test_a_tenant_name_cannot_reach_outside_its_folder(world, tmp_path):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, seed):
-    """Seeded schedules: jobs answer some lines and crash, the service restarts, polls come at
-    any time, a cancel may come. The batch ends; no line is answered twice; a completed batch
-    answered every line."""
+    """Seeded schedules: jobs answer some lines and crash, the service restarts (or dies between
+    starting a job and saving that it did), polls come at any time, a cancel may come. Once the
+    faults end and the jobs run to their end, the batch ends, failed only by its jobs; no line is
+    answered twice; a completed batch answered every line."""
     clock, runner, service, files = world
     rng = random.Random(seed)
     lines = rng.randint(1, 30)
@@ -380,13 +385,20 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
             runner.down = not runner.down
         elif move < 0.65:
             disk["full"] = not disk["full"]
-        clock.now += rng.randint(0, 30) if rng.random() < 0.95 else 24 * 3600
+        elif move < 0.7:
+            runner.die_after_submit = not runner.die_after_submit
+        clock.now += rng.randint(0, 30) if rng.random() < 0.99 else 24 * 3600
         batches.poll()
-    runner.down, disk["full"] = False, False
-    for _ in range(3):  # the faults end: the batch must end too
+    runner.down, disk["full"], runner.die_after_submit = False, False, False
+    for _ in range(6):  # the faults end and jobs run to their end: the batch must end too
+        job = list(runner.jobs)[-1] if runner.jobs else None
+        if job and runner.jobs[job]["state"] == "RUNNING":
+            runner.answer(job, then="SUCCEEDED")
         batches.poll()
     record = batches.get("acme", b["id"])
     assert record["status"] in TERMINAL, f"seed {seed}: still {record['status']}"
+    if record["status"] == "failed":  # only its jobs' failures fail it (its input is good)
+        assert record["errors"]["data"][0]["code"] == "job_failed", f"seed {seed}: {record['errors']}"
     assert [x["id"] for x in batches.list("acme")["data"]] == [b["id"]], "one create, one batch"
     if cancelled_with_jobs is not None:
         assert len(runner.jobs) == cancelled_with_jobs, f"seed {seed}: a job submitted after the cancel was accepted"
