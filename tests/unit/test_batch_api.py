@@ -24,7 +24,7 @@ from router.leases import LedgerService
 from router.policy import PoolRoute
 from router.quota import Quota
 from tests.unit.router_harness import TENANTS, FakeController, FakePool, WordCounter, sha
-from tests.unit.test_batches import Clock, FakeRunner, _line
+from tests.unit.test_batches import Clock, FakeRunner, _line, _upload, world  # noqa: F401 (a fixture)
 
 NO_BATCH_POOL = TenantConfig(name="chat-only", key_sha256=sha("key-chat-only"), pools=("q",))
 
@@ -296,3 +296,29 @@ async def test_a_batch_whose_input_was_deleted_ends_failed_with_its_answers(api)
     b = await client.batches.retrieve(b.id)
     assert b.status == "failed" and b.request_counts.completed == 2 and b.output_file_id is not None
     assert b.errors.data[0].code == "input_file_missing" and f.id in b.errors.data[0].message
+
+
+def test_files_list_page_and_delete(world):
+    clock, _, _, files = world
+    ids = []
+    for i in range(3):
+        clock.now += 1
+        ids.append(_upload(files, "acme", 1))
+    first = files.list("acme", limit=2)
+    assert [f["id"] for f in first["data"]] == ids[::-1][:2] and first["has_more"]
+    rest = files.list("acme", limit=2, after=first["last_id"])
+    assert [f["id"] for f in rest["data"]] == [ids[0]] and not rest["has_more"]
+    assert files.delete("acme", ids[0])["deleted"]
+    with pytest.raises(ApiError):
+        files.get("acme", ids[0])
+    assert (files.content_path("acme", ids[1]).stat().st_mode & 0o077) == 0, "readable by its owner only"
+    for bad in ("../../etc/passwd", "file-" + "x" * 24):
+        with pytest.raises(ApiError) as e:
+            files.get("acme", bad)
+        assert e.value.status == 404
+
+
+def test_a_tenant_name_cannot_reach_outside_its_folder(world, tmp_path):
+    _, _, _, files = world
+    fid = _upload(files, "../evil", 1)
+    assert files.content_path("../evil", fid).resolve().is_relative_to(tmp_path.resolve())
