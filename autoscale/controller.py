@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 from autoscale.config import AutoscaleConfig
 from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
@@ -314,14 +314,33 @@ class Controller:
                                                 "slo": o.slo.model_dump() if o.slo else None})
 
     def _restore(self, name: str) -> Operator:
-        saved = self._store.get(f"pool/{name}")
-        if not saved:
+        try:
+            return _operator(name, self._store.get(f"pool/{name}"))
+        except (ValueError, TypeError, OSError) as e:  # pydantic's and json's errors are ValueErrors
+            log.warning("pool %s: the saved operator settings (pool/%s) cannot be read, so the config's hold: %s",
+                        name, name, e)
             return Operator()
-        op = Operator(pinned=saved.get("pinned"), calibrating=bool(saved.get("calibrating")),
-                      lending=bool(saved.get("lending", True)), epoch=int(saved.get("epoch", 0)),
-                      slo=SloJson(**saved["slo"]) if saved.get("slo") else None)
-        log.info("pool %s: restored operator settings %s", name, op)
-        return op
+
+
+def _operator(name: str, saved: Any) -> Operator:
+    """Operator settings as `Controller._set` saved them; ValueError for any other shape (another
+    version's, a damaged key): read as they are, a text pin made every report raise."""
+    if not saved:
+        return Operator()
+    if not isinstance(saved, dict):
+        raise ValueError(f"a {type(saved).__name__}, not a mapping")
+    pinned, epoch = saved.get("pinned"), saved.get("epoch", 0)
+    flags = {k: saved.get(k, default) for k, default in (("calibrating", False), ("lending", True))}
+    if pinned is not None and (type(pinned) is not int or pinned < 1):
+        raise ValueError(f"pinned {pinned!r} is not a batch size")
+    if type(epoch) is not int or epoch < 0:
+        raise ValueError(f"epoch {epoch!r} is not a count")
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise ValueError(f"calibrating and lending must be true or false: {flags}")
+    slo = SloJson.model_validate(saved["slo"]) if saved.get("slo") is not None else None
+    op = Operator(pinned=pinned, epoch=epoch, slo=slo, **flags)
+    log.info("pool %s: restored operator settings %s", name, op)
+    return op
 
 
 def _view(p: _PoolState, seqs: int, now: float, max_age: float) -> PoolView:

@@ -40,7 +40,7 @@ class ProfileStore:
         try:
             data = self._backend.get(key)
             profile = None if data is None else Profile.model_validate(data)
-        except (ValueError, yaml.YAMLError) as e:  # pydantic's and json's errors are ValueErrors
+        except (ValueError, yaml.YAMLError, OSError) as e:  # pydantic's and json's errors are ValueErrors
             if key not in self.unreadable:
                 log.warning("profile store: %s cannot be read, so counts as missing: %s", key, e)
             self.unreadable[key] = _why(e)

@@ -11,7 +11,7 @@ offline pool:
   "body"}. Invalid lines and duplicate custom_ids are reported up front with their line
   numbers, and the job refuses the file (unless --skip-invalid).
 * Output lines: {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null,
-  "error": {"code", "message"} | null}, appended one whole line per write; a partial last
+  "error": {"code", "message"} | null}, appended one whole line at a time; a partial last
   line left by a crash is cut off at the next start, so it never counts.
 * Resumable: a rerun with the same output skips the custom_ids already written.
 * 429 and 503 are retried after `Retry-After` (plus jitter), with exponential back-off
@@ -101,8 +101,8 @@ class OutputBusy(Exception):
 
 class Output:
     """The results file: readable by its owner only, held by one job at a time (an advisory
-    lock, released by the kernel even when the job is killed), appended one whole line per
-    write (O_APPEND), so a crash can tear at most the last line, which a rerun cuts off."""
+    lock, released by the kernel even when the job is killed), appended one whole line at a
+    time (O_APPEND, under the lock), so a crash can tear at most the last line, which a rerun cuts off."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -118,7 +118,9 @@ class Output:
         return completed_ids(self.path)
 
     def write(self, line: str) -> None:
-        os.write(self._fd, line.encode())
+        data = memoryview(line.encode())
+        while data:  # a write may take part of it (a filling volume, a signal): the line goes on whole
+            data = data[os.write(self._fd, data):]
 
     def close(self) -> None:
         os.fsync(self._fd)

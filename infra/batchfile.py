@@ -81,7 +81,9 @@ def read_input(lines: list[str]) -> tuple[list[BatchRequest], list[LineProblem]]
 
 
 def completed_ids(path: Path) -> set[str]:
-    """custom_ids already written; a trailing partial line (a crash mid-write) is cut off."""
+    """custom_ids already written; a trailing partial line (a crash mid-write) is cut off. A
+    line that is not a result (damaged in the middle of the file) answers nothing: its request
+    is asked again, where raising here failed every attempt of the job."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -91,9 +93,13 @@ def completed_ids(path: Path) -> set[str]:
             f.truncate(keep)
         data = data[:keep]
     done = set()
-    for line in jsonl_lines(data):
-        if line.strip():
-            done.add(json.loads(line)["custom_id"])
+    for line in jsonl_lines(data, errors="replace"):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("custom_id"), str):
+            done.add(row["custom_id"])
     return done
 
 

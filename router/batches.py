@@ -42,6 +42,9 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 WINDOWS = {"24h": 24 * 3600}
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _STOPPED = ("FAILED", "STOPPED")
+_MOVING = ("validating", "in_progress", "finalizing", "cancelling")
+_SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
+          "expires_at": int, "_attempts": int, "request_counts": dict}  # what moving a batch on reads
 SWEEP_INTERVAL_S = 60.0
 
 
@@ -71,6 +74,7 @@ class Batches:
                  clock: Callable[[], float]) -> None:
         self._s, self._files, self._runner, self._clock = settings, files, runner, clock
         self._swept_at = -float("inf")
+        self._unreadable: set[Path] = set()  # logged once each
 
     # -- the API ----------------------------------------------------------------------
 
@@ -138,7 +142,9 @@ class Batches:
         reading = set()
         for folder in self._s.root.glob("*/batches") if self._s.root.is_dir() else ():
             for path in folder.glob("batch_*.json"):
-                record = _read(path)
+                if (record := _read(path)) is None and path not in self._unreadable:
+                    log.warning("batch record %s cannot be read; it is left as it is", path)
+                    self._unreadable.add(path)
                 if record is not None and record["status"] not in TERMINAL:
                     try:
                         self._advance(record)
@@ -237,7 +243,7 @@ class Batches:
     def _count(self, record: dict) -> None:
         ok = failed = 0
         for row in _rows(self._output(record)):
-            if (row.get("response") or {}).get("status_code") == 200:
+            if _answered(row):
                 ok += 1
             else:
                 failed += 1
@@ -251,7 +257,7 @@ class Batches:
         self._count(record)
         good, bad = [], []
         for row in _rows(self._output(record)):
-            ((good if (row.get("response") or {}).get("status_code") == 200 else bad)).append(json.dumps(row))
+            (good if _answered(row) else bad).append(json.dumps(row))
         for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
             if rows and record[field] is None:  # a file written before a failed finalize is kept, not written twice
                 meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
@@ -293,26 +299,39 @@ def _public(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("_")}
 
 
+def _answered(row: dict) -> bool:
+    return isinstance(response := row.get("response"), dict) and response.get("status_code") == 200
+
+
 def _line_error(message: str) -> dict:
     m = re.match(r"line (\d+): (.*)", message)
     return {"code": "invalid_request", "message": message, "param": None, "line": int(m.group(1)) if m else None}
 
 
 def _read(path: Path) -> dict | None:
+    """A batch's record, or None: unreadable, or of a shape this service cannot move on
+    (another version's, damaged)."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not (isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _SHAPE.items())
+            and record["id"] == path.stem and record["status"] in (*TERMINAL, *_MOVING)
+            and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
+        return None
+    return record
 
 
 def _rows(path: Path):
     """The whole lines of a job's output (a torn last line is the job's to cut)."""
     if not path.exists():
         return
-    with path.open() as f:
+    with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if line.endswith("\n") and line.strip():
                 try:
-                    yield json.loads(line)
+                    row = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(row, dict) and isinstance(row.get("custom_id"), str):  # else not the job's
+                    yield row

@@ -121,13 +121,15 @@ class FileStore:
 def _read_meta(path: Path) -> dict | None:
     """A file's object, or None (being written or deleted, or not one)."""
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not (isinstance(meta, dict) and isinstance(meta.get("id"), str) and _ID.fullmatch(meta["id"])):
-        return None
+    if not (isinstance(meta, dict) and isinstance(meta.get("id"), str) and _ID.fullmatch(meta["id"])
+            and all(type(meta.get(k)) is t for k, t in (("bytes", int), ("created_at", int), ("purpose", str),
+                                                          ("filename", str)))):
+        return None  # another shape (another version's, damaged): listed, it made every list a 500
     expires = meta.get("expires_at")
-    return meta if expires is None or isinstance(expires, (int, float)) else None
+    return meta if expires is None or type(expires) is int else None  # (a NaN never expired)
 
 
 def write_whole(path: Path, data: bytes) -> None:

@@ -15,10 +15,31 @@ import time
 import uuid
 from typing import Any, Callable
 
+from pydantic import BaseModel, ConfigDict
+
 from infra.state import StateStore
 from router.quota import Charge, Denied, Grant, LeaseBook, Need, Quota, QuotaLedger
 
 log = logging.getLogger("poolserve.router")
+
+
+class _Saved(BaseModel):
+    """The shape `QuotaLedger.export` saves, checked before a ledger takes it back: NaN (no
+    bucket ever refilled, no router's slots ever went) and text are refused."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class _Bucket(_Saved):
+    level: float
+    updated: float
+
+
+class _Account(_Saved):
+    requests: _Bucket | None = None
+    tokens: _Bucket | None = None
+    slots_out: dict[str, int] = {}
+    seen: dict[str, float] = {}
 
 
 class LedgerService:
@@ -37,9 +58,13 @@ class LedgerService:
         self._store = store
         restored = 0
         for tenant in quotas if store is not None else ():
-            if saved := store.get(self.PREFIX + tenant):
-                self._ledger.restore(tenant, saved)
-                restored += 1
+            try:
+                if saved := store.get(self.PREFIX + tenant):
+                    self._ledger.restore(tenant, _Account.model_validate(saved).model_dump())
+                    restored += 1
+            except (ValueError, OSError) as e:  # another version's, or damaged (pydantic's errors are ValueErrors)
+                log.warning("quota ledger: the saved account %s%s cannot be read, so the tenant starts with its "
+                            "full quota: %s", self.PREFIX, tenant, e)
         if restored:
             log.info("quota ledger: restored %d tenants' accounts saved before a restart", restored)
 

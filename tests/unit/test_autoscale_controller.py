@@ -211,3 +211,22 @@ def test_pin_and_unpin():
     c.report(stats(seqs=32))
     c.tick()
     assert c.target("p") == 16  # clamped back into the safe range
+
+
+@pytest.mark.parametrize("saved", [
+    [1], {"pinned": "8"}, {"pinned": True}, {"epoch": None}, {"lending": "false"},
+    {"slo": {"ttft_p99_ms": 500}}, {"slo": {"ttft_p99_ms": float("nan"), "tpot_p99_ms": 50}},
+], ids=["not a mapping", "pin text", "pin bool", "epoch null", "lending text", "slo field missing", "slo nan"])
+def test_operator_settings_that_no_longer_read_are_dropped_not_fatal(saved, caplog):
+    """Operator settings outlive a controller, and a version of it: a saved record of another
+    shape made the controller's constructor raise (no control app at all) or, for a pin that
+    is not a number, every report of the pool raise. The pool starts from the config's settings."""
+    from infra.state import MemoryStore
+
+    store = MemoryStore()
+    store.put("pool/p", saved)
+    with caplog.at_level("WARNING", logger="poolserve.autoscale"):
+        c = Controller({"p": PoolSpec("p", RANGE, 1.0, 0.1, 32)}, AutoscaleConfig(), Clock(), store=store)
+    assert c.report(stats(seqs=8)).limits.max_active_seqs == 8
+    assert c.status("p").pinned is None and c.views()["p"].lending
+    assert any("pool/p" in r.getMessage() and "cannot be read" in r.getMessage() for r in caplog.records)

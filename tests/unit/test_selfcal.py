@@ -336,8 +336,8 @@ def test_the_fingerprint_tells_set_ups_apart_that_run_differently(monkeypatch):
     assert measured != running and measured.differences(running)[0].startswith("engine:")
 
 
-@pytest.mark.parametrize("damage", ["missing field", "not yaml", "a list"])
-def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["missing field", "not yaml", "a list", "not readable"])
+def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage, monkeypatch):
     """The store outlives a version of poolserve, and its folder can be edited by hand: a stored
     profile that no longer reads made every report of the pool raise, and the pool never got a
     range. It is treated as missing, says why, and the sweep's profile replaces it."""
@@ -348,11 +348,18 @@ def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage
     (path,) = tmp_path.rglob("*.yaml")
     data = yaml.safe_load(path.read_text())
     del data["reason"]
-    path.write_text({"missing field": yaml.safe_dump(data), "not yaml": "rows: [1, 2\n", "a list": "- 1\n"}[damage])
+    if damage == "not readable":  # a volume's I/O error, a file the service may not read
+        def denied(self, key):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(DirStore, "get", denied)
+    else:
+        path.write_text({"missing field": yaml.safe_dump(data), "not yaml": "rows: [1, 2\n", "a list": "- 1\n"}[damage])
     c = controller(spec(), store)
     d = report(c, FP)
+    monkeypatch.undo()  # the sweep's profile is written and read back
     assert c.calibration("p").state == "calibrating" and (d.allowed.low, d.allowed.high) == (1, 16)
-    why = {"missing field": "reason: Field required", "not yaml": "ParserError", "a list": "the file: Input should be a valid dictionary"}[damage]
+    why = {"missing field": "reason: Field required", "not yaml": "ParserError",
+           "a list": "the file: Input should be a valid dictionary", "not readable": "PermissionError"}[damage]
     assert f"the stored one cannot be read ({why}" in c.calibration("p").source and c.needs_sweep() == ["p"]
     c.adopt("p", build_profile("p", batching()[:4], Fingerprint(**FP), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100),
                                TRAFFIC, KneeRule(), (), "2026-12-04"))

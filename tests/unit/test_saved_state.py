@@ -1,0 +1,131 @@
+"""State saved by one process and read back by the next (a restart, or another version of
+poolserve): a record that no longer reads (another shape, a damaged key, NaN) is that record's
+trouble, logged, never the whole service's: no constructor raises, no loop stops, no list 500s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from router.errors import ApiError
+from router.quota import Need, Quota
+from tests.unit.test_batches import _output_rows, _upload, world  # noqa: F401 (a fixture)
+
+
+@pytest.mark.parametrize("damage", [
+    "not json", [1], {"tokens": 5}, {"tokens": {"level": None, "updated": 1000.0}},
+    {"tokens": {"level": 10.0, "updated": float("nan")}}, {"slots_out": None}, {"slots_out": {"router-1": "x"}},
+    {"seen": {"router-1": float("nan")}},
+], ids=["not json", "not a mapping", "bucket number", "level null", "updated nan", "slots null", "slots text",
+        "seen nan"])
+def test_an_account_that_no_longer_reads_starts_afresh_and_the_others_are_kept(damage, caplog):
+    """A saved account of another shape (another version, a damaged key) made the ledger's
+    constructor raise: the control app, router included, could not start, at every restart. A
+    NaN time never refilled the bucket (the tenant refused for good) or never let a router's
+    slots go. That tenant starts afresh, logged; the others keep their saved accounts."""
+    import json
+
+    from infra.state import MemoryStore
+    from router.leases import LedgerService
+
+    class Store(MemoryStore):
+        def get(self, key):
+            value = super().get(key)
+            if value == "not json":
+                return json.loads("{not json")  # what the GCS store's json.loads raises
+            return value
+
+    async def go():
+        quotas = {"t": Quota(tokens_per_min=6000, max_concurrent=4), "u": Quota(tokens_per_min=6000)}
+        store, now = Store(), [1000.0]
+        first = LedgerService(quotas, clock=lambda: now[0], store=store)
+        await first.grant("u", "router-1", Need(tokens=5000))
+        store.put(LedgerService.PREFIX + "t", damage)
+        now[0] += 6.0
+        with caplog.at_level("WARNING", logger="poolserve.router"):
+            second = LedgerService(quotas, clock=lambda: now[0], store=store)
+        return await second.usage("t"), await second.usage("u"), await second.grant("t", "r", Need(slots=4))
+
+    t, u, granted = asyncio.run(go())
+    assert t["remaining_tokens"] == 6000 and t["concurrent"] == 0 and granted.granted
+    assert u["remaining_tokens"] == pytest.approx(1000 + 600)
+    assert any("quota-ledger/t" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+@pytest.mark.parametrize("damage", ["[]", '"x"', '{"id": "batch_%s"}', '{"status": "in_progress"}',
+                                    "record without its tenant"],
+                         ids=["list", "string", "no status", "no id", "no tenant"])
+def test_a_batch_record_that_no_longer_reads_stops_no_other_batch(world, damage):
+    """Records outlive a version of the service: one of another shape made every poll raise
+    before the batches after it (every tenant's) moved on, and the tenant's batch list a 500."""
+    clock, runner, service, files = world
+    batches = service()
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
+    folder = Path(files._dir("acme")).parent / "batches"
+    record = json.loads((folder / f"{b['id']}.json").read_text())
+    for i in range(3):  # before and after the good one, whatever order the folder lists them in
+        path = folder / f"batch_{i:024x}.json"
+        if damage == "record without its tenant":
+            path.write_text(json.dumps({k: v for k, v in {**record, "id": path.stem}.items() if k != "_tenant"}))
+        else:
+            path.write_text(damage.replace("%s", f"{i:024x}"))
+    runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
+    batches.poll()
+    assert batches.get("acme", b["id"])["status"] == "completed"
+    assert [x["id"] for x in batches.list("acme")["data"]] == [b["id"]]
+
+
+@pytest.mark.parametrize("rows", [b"[1]\n", b'{"custom_id": "req-9", "response": [200]}\n', b"\xff\xfe{}\n"],
+                         ids=["not an object", "response a list", "not utf-8"])
+def test_a_damaged_output_row_is_skipped_and_the_batch_finishes(world, rows):
+    """A row of the job's output that is not what the job writes stuck its batch: every poll
+    raised counting it, and the batch never finished nor expired."""
+    clock, runner, service, files = world
+    batches = service()
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
+    job = next(iter(runner.jobs))
+    with runner.jobs[job]["output"].open("ab") as f:
+        f.write(rows)
+    runner.answer(job, then="SUCCEEDED")
+    batches.poll()
+    done = batches.get("acme", b["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 3
+    assert {r["custom_id"] for r in _output_rows(files, "acme", done["output_file_id"])} == {"req-0", "req-1", "req-2"}
+
+
+@pytest.mark.parametrize("change", [{"created_at": None}, {"created_at": "yesterday"}, {"purpose": None},
+                                    {"bytes": "many"}, {"expires_at": float("nan")}],
+                         ids=["created null", "created text", "no purpose", "bytes text", "expiry nan"])
+def test_a_file_object_that_no_longer_reads_is_gone_not_a_500(world, change):
+    """A file's object of another shape made the tenant's file list raise at every call (a
+    500); with a NaN expiry the file never expired."""
+    clock, _, _, files = world
+    keep, damaged = _upload(files, "acme", 1), _upload(files, "acme", 1)
+    path = Path(files._dir("acme")) / f"{damaged}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    assert [f["id"] for f in files.list("acme")["data"]] == [keep]
+    with pytest.raises(ApiError) as e:
+        files.get("acme", damaged)
+    assert e.value.status == 404
+
+
+def test_a_write_the_disk_takes_in_part_is_finished_not_torn_mid_file(tmp_path, monkeypatch):
+    """`os.write` may take part of a line (a volume filling up, a signal): the rest was dropped
+    and the next line appended after it, a tear in the middle of the output that no resume cuts."""
+    import os
+
+    from deployments import batch_job
+    from infra.batchfile import completed_ids, result_line
+
+    real = os.write
+    monkeypatch.setattr(batch_job.os, "write", lambda fd, data: real(fd, data[:7]))
+    out = batch_job.Output(tmp_path / "out.jsonl")
+    for i in range(3):
+        out.write(result_line(f"req-{i}", 200, {"text": "é" * i}, "r"))
+    out.close()
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in lines] == ["req-0", "req-1", "req-2"]
+    assert completed_ids(tmp_path / "out.jsonl") == {"req-0", "req-1", "req-2"}
