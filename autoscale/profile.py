@@ -21,14 +21,14 @@ __all__ = ["Fingerprint", "Profile", "load_profile", "dump_profile"]
 
 
 class Measured(Frozen):
-    """Numbers a sweep measured or a rule is judged by: NaN compares false with every bound, so a
-    row with NaN for its P99 would pass any SLO and watermark."""
+    """Numbers a sweep measured or a rule is judged by, finite: NaN compares false with every
+    bound, so a row with NaN for its P99 passed any SLO and watermark, as an SLO of inf would."""
 
     @field_validator("*")
     @classmethod
     def _not_nan(cls, value):
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError("NaN is not a number a range can be judged by: measure the pool again "
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{value} is not a number a range can be judged by: measure the pool again "
                              "(poolserve calibrate) or give the value")
         return value
 

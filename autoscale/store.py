@@ -40,11 +40,14 @@ class ProfileStore:
         try:
             data = self._backend.get(key)
             profile = None if data is None else Profile.model_validate(data)
-        except (ValueError, yaml.YAMLError, OSError) as e:  # pydantic's and json's errors are ValueErrors
+        except (ValueError, yaml.YAMLError) as e:  # pydantic's and json's errors are ValueErrors; an OSError
+            # (a volume's hiccup) is raised: the pool's next report looks again, no sweep replaces a good profile
             if key not in self.unreadable:
                 log.warning("profile store: %s cannot be read, so counts as missing: %s", key, e)
             self.unreadable[key] = _why(e)
             return None
+        if data is None:
+            self.unreadable.pop(key, None)
         if profile is None or profile.fingerprint != fingerprint:  # a digest collision is not a match
             return None
         return profile

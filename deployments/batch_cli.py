@@ -50,13 +50,15 @@ class RayJobRunner:
 
     def submit(self, name: str, args: list[str]) -> str:
         client = _client(self._address)
-        try:  # submitted before a crash kept the batch's record from saying so: Ray refuses a second one
-            return client.get_job_info(name).submission_id
-        except RuntimeError as e:
-            if not _lost(e):
-                raise
-        return client.submit_job(entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
-                                 submission_id=name, metadata={"poolserve": "batch-api"})
+        try:
+            return client.submit_job(entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
+                                     submission_id=name, metadata={"poolserve": "batch-api"})
+        except RuntimeError:
+            try:  # submitted before a crash kept the batch's record from saying so: Ray refuses a second one
+                return client.get_job_info(name).submission_id
+            except RuntimeError:
+                pass
+            raise
 
     def status(self, job_id: str) -> str:
         try:

@@ -45,6 +45,7 @@ _STOPPED = ("FAILED", "STOPPED")
 _MOVING = ("validating", "in_progress", "finalizing", "cancelling")
 _SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
           "expires_at": int, "_attempts": int, "request_counts": dict}  # what moving a batch on reads
+_OPTIONAL = ("_job", "output_file_id", "error_file_id")  # ... and these, which may be null
 SWEEP_INTERVAL_S = 60.0
 
 
@@ -316,6 +317,7 @@ def _read(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     if not (isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _SHAPE.items())
+            and all(k in record and isinstance(record[k], (str, type(None))) for k in _OPTIONAL)
             and record["id"] == path.stem and record["status"] in (*TERMINAL, *_MOVING)
             and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
         return None

@@ -215,6 +215,36 @@ def test_a_job_ray_no_longer_knows_ends_failed_and_stopping_it_is_done(monkeypat
         runner.status("poolserve-batch_1-1")
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["new", "submitted before"])
+def test_a_job_name_submitted_again_is_the_job_it_names(monkeypatch, known):
+    """The batch service can die after Ray took a batch's job and before its record said so;
+    the next one submits the name again, Ray refuses it, and the batch's every poll raised.
+    A refusal for a name Ray knows is that job; any other refusal stands."""
+    from types import SimpleNamespace
+
+    from deployments import batch_cli
+
+    class Jobs:
+        def submit_job(self, entrypoint, submission_id, metadata):
+            if known:
+                raise RuntimeError(f"Request failed with status code 500: Job with submission_id {submission_id} "
+                                   "already exists. Please use a different submission_id.")
+            raise RuntimeError("Request failed with status code 503: unavailable.")
+
+        def get_job_info(self, job_id):
+            if not known:
+                raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
+            return SimpleNamespace(submission_id=job_id)
+
+    monkeypatch.setattr(batch_cli, "_client", lambda address: Jobs())
+    runner = batch_cli.RayJobRunner("http://head:8265")
+    if known:
+        assert runner.submit("poolserve-batch_1-1", ["--input", "x"]) == "poolserve-batch_1-1"
+    else:
+        with pytest.raises(RuntimeError, match="503"):
+            runner.submit("poolserve-batch_1-1", ["--input", "x"])
+
+
 @pytest.mark.parametrize("custom_id", ["plain-1", "résumé №7", "emoji 🚀", "line\nbreak"])
 def test_any_custom_id_makes_a_valid_header(custom_id):
     from urllib.parse import unquote

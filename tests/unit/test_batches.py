@@ -40,7 +40,7 @@ class FakeRunner:
     def submit(self, name: str, args: list[str]) -> str:
         if self.down:
             raise ConnectionError("job API unreachable")
-        if name in self.jobs:  # the runner's promise (`RayJobRunner` asks Ray first): that job
+        if name in self.jobs:  # the runner's promise (`RayJobRunner` asks Ray of a refused name): that job
             return name
         opts = dict(zip(args[::2], args[1::2]))
         self.jobs[name] = {"input": Path(opts["--input"]), "output": Path(opts["--output"]),
@@ -326,7 +326,8 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     clock, runner, service, files = world
     rng = random.Random(seed)
     lines = rng.randint(1, 30)
-    batches = service(max_attempts=6)
+    attempts = 3 + seed % 4  # some schedules use every attempt up
+    batches = service(max_attempts=attempts)
     real_create, disk = files.create, {"full": False}
 
     def create_file(*args):
@@ -348,7 +349,7 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
             then = rng.choice([None, None, "FAILED", "SUCCEEDED"])
             runner.answer(job, None if then == "SUCCEEDED" else rng.randint(0, 5), then=then)
         elif move < 0.5:
-            batches = service(max_attempts=6)
+            batches = service(max_attempts=attempts)
         elif move < 0.53:
             try:
                 batches.cancel("acme", b["id"])

@@ -336,8 +336,8 @@ def test_the_fingerprint_tells_set_ups_apart_that_run_differently(monkeypatch):
     assert measured != running and measured.differences(running)[0].startswith("engine:")
 
 
-@pytest.mark.parametrize("damage", ["missing field", "not yaml", "a list", "not readable"])
-def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage, monkeypatch):
+@pytest.mark.parametrize("damage", ["missing field", "not yaml", "a list"])
+def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage):
     """The store outlives a version of poolserve, and its folder can be edited by hand: a stored
     profile that no longer reads made every report of the pool raise, and the pool never got a
     range. It is treated as missing, says why, and the sweep's profile replaces it."""
@@ -348,19 +348,33 @@ def test_a_stored_profile_that_cannot_be_read_is_measured_again(tmp_path, damage
     (path,) = tmp_path.rglob("*.yaml")
     data = yaml.safe_load(path.read_text())
     del data["reason"]
-    if damage == "not readable":  # a volume's I/O error, a file the service may not read
-        def denied(self, key):
-            raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(DirStore, "get", denied)
-    else:
-        path.write_text({"missing field": yaml.safe_dump(data), "not yaml": "rows: [1, 2\n", "a list": "- 1\n"}[damage])
+    path.write_text({"missing field": yaml.safe_dump(data), "not yaml": "rows: [1, 2\n", "a list": "- 1\n"}[damage])
     c = controller(spec(), store)
     d = report(c, FP)
-    monkeypatch.undo()  # the sweep's profile is written and read back
     assert c.calibration("p").state == "calibrating" and (d.allowed.low, d.allowed.high) == (1, 16)
     why = {"missing field": "reason: Field required", "not yaml": "ParserError",
-           "a list": "the file: Input should be a valid dictionary", "not readable": "PermissionError"}[damage]
+           "a list": "the file: Input should be a valid dictionary"}[damage]
     assert f"the stored one cannot be read ({why}" in c.calibration("p").source and c.needs_sweep() == ["p"]
     c.adopt("p", build_profile("p", batching()[:4], Fingerprint(**FP), SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=100),
                                TRAFFIC, KneeRule(), (), "2026-12-04"))
     assert c.calibration("p").state == "profile" and store.get("p", Fingerprint(**FP)).created_at == "2026-12-04"
+
+
+def test_a_profile_store_that_cannot_be_reached_is_asked_again_at_the_next_report(tmp_path, monkeypatch):
+    """A volume's hiccup is no damaged profile: taken for one, a good profile was swept over
+    (or, in `strict` mode, the pool sat at its bottom step for good). The report fails, and the
+    next one finds the profile."""
+    store = ProfileStore(DirStore(tmp_path))
+    store.put(configured_profile().model_copy(update={"fingerprint": Fingerprint(**FP)}))
+
+    def hiccup(self, key):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(DirStore, "get", hiccup)
+    c = controller(spec(), store)
+    with pytest.raises(OSError):
+        report(c, FP)
+    assert c.calibration("p").state == "unknown"
+    monkeypatch.undo()
+    report(c, FP)
+    assert c.calibration("p").state == "profile" and c.needs_sweep() == []
