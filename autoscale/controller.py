@@ -225,6 +225,9 @@ class Controller:
     def sweep_pin(self, name: str, seqs: int | None) -> int:
         """A background sweep holds the pool at `seqs` (None: lets go); the epoch that carries it."""
         p = self._pools[name]
+        if seqs is None and p.sweep is not None and p.policy is not None:
+            # The P99s hold the sweep's requests for a latency window: a change, not the autoscaler's move.
+            p.policy = replace(p.policy, last_change_at=self._clock(), last_direction=0)
         p.sweep = seqs
         self._bump(p)
         return p.operator.epoch

@@ -230,3 +230,26 @@ def test_operator_settings_that_no_longer_read_are_dropped_not_fatal(saved, capl
     assert c.report(stats(seqs=8)).limits.max_active_seqs == 8
     assert c.status("p").pinned is None and c.views()["p"].lending
     assert any("pool/p" in r.getMessage() and "cannot be read" in r.getMessage() for r in caplog.records)
+
+
+def test_a_sweep_letting_go_counts_as_a_change_its_requests_are_not_the_pools_latency():
+    """For a latency window after a sweep, the P99s hold the sweep's own requests, measured at its
+    steps: the limit does not step down on them (a just-calibrated pool at rest stepped 16 -> 8 on
+    its sweep's P99 TTFT). What the pool measures after the window counts."""
+    c, clock = controller()
+    c.report(stats(seqs=16))
+    clock.t = 100
+    c.sweep_pin("p", 32)
+    slow = (1.5,) * 20  # above the 1 s TTFT SLO
+    for _ in range(10):
+        clock.t += 5
+        c.report(stats(seqs=32, ttft=slow))
+        c.tick()
+    c.sweep_pin("p", None)
+    released = clock.t
+    for _ in range(8):
+        clock.t += 5
+        c.report(stats(seqs=16, ttft=slow))
+        c.tick()
+    moves = [d for d in c.decisions() if d.old != d.new]
+    assert [(d.old, d.new, d.time - released) for d in moves] == [(16, 8, 30)]  # latency_window_s after it
