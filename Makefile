@@ -1,13 +1,15 @@
 # The README's two commands. Both set everything up from a fresh clone.
-PYTHON ?= python3
+# Settings are given on make's command line (`make serve CONFIG=my.yaml`), never taken from the
+# shell's environment: a CONFIG or PYTHON exported for something else changed what ran.
+PYTHON = python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL := .cache/models/tiny-llama
-CONFIG ?= deployments/configs/local.yaml
+CONFIG = deployments/configs/local.yaml
 # Elsewhere than this machine, torch's CPU wheel comes from PyTorch's index:
 #   make PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu" test
-PIP_EXTRA ?=
+PIP_EXTRA =
 
 .PHONY: setup serve test test-slow bench bench-quick clean
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 import time
 from contextlib import contextmanager
@@ -56,9 +55,9 @@ def machine() -> dict:
     import ray
     import vllm
 
-    from pools.engine import hardware_name
+    from pools.engine import hardware_name, usable_cores
 
-    return {"hardware": hardware_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+    return {"hardware": hardware_name(), "cores": usable_cores(), "python": platform.python_version(),
             "ray": ray.__version__, "vllm": vllm.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

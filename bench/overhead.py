@@ -52,7 +52,7 @@ async def pairs(router: Target, direct: Target, prompt: int, n: int, rng: random
     """`n` pairs of one request on each path, one at a time, the first path alternating; every
     prompt its own words (no prefix-cache hit helps either path)."""
     targets, rows = {"router": router, "direct": direct}, []
-    async with _client(1) as rc, _client(1) as dc:
+    async with _client(router, 1) as rc, _client(direct, 1) as dc:
         clients = {"router": rc, "direct": dc}
         for i in range(n):
             order = PATHS if i % 2 == 0 else PATHS[::-1]

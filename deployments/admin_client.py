@@ -14,6 +14,7 @@ from typing import Iterator
 
 import httpx
 
+from infra.wire import trust_env
 from pools.control import DecisionJson, Describe, LendingResult, PinResult, PoolStatus, SloResult
 
 
@@ -30,7 +31,8 @@ class AdminClient:
         self._timeout = timeout_s
 
     def _call(self, method: str, path: str, **kw) -> dict | list:
-        r = httpx.request(method, f"{self._base}{path}", headers=self._headers, timeout=self._timeout, **kw)
+        r = httpx.request(method, f"{self._base}{path}", headers=self._headers, timeout=self._timeout,
+                          trust_env=trust_env(self._base), **kw)
         if r.status_code >= 400:
             try:
                 err = r.json()["error"]

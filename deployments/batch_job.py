@@ -39,6 +39,7 @@ from typing import Callable
 from urllib.parse import quote
 
 from infra.batchfile import BatchRequest, completed_ids, jsonl_lines, read_input, result_line
+from infra.wire import trust_env
 
 RETRY_STATUSES = {429, 503}
 
@@ -212,7 +213,8 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
             print(progress.line(), flush=True)
 
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30), limits=limits,
+                                 trust_env=trust_env(base)) as client:
         reporter = asyncio.get_running_loop().create_task(report())
         try:
             await asyncio.gather(*(worker(client) for _ in range(min(concurrency, max(1, len(todo))))))

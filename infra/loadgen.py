@@ -45,7 +45,7 @@ import httpx
 from infra.results import Result, Run
 from infra.stats import percentile
 from infra.traffic import Lengths, make_prompt, poisson_arrivals, synthetic_lengths, trace_lengths
-from infra.wire import parse_server_timing, sse_lines
+from infra.wire import parse_server_timing, sse_lines, trust_env
 
 
 # -- one request --------------------------------------------------------------------
@@ -156,10 +156,10 @@ class LoopLag:
         return {"p99_ms": percentile(self.samples, 99) * 1e3, "max_ms": max(self.samples) * 1e3}
 
 
-def _client(outstanding: int, timeout_s: float = 600) -> httpx.AsyncClient:
+def _client(target: Target, outstanding: int, timeout_s: float = 600) -> httpx.AsyncClient:
     # A pool larger than what is kept outstanding: requests never wait for a connection here.
     n = outstanding + 32
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30),
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30), trust_env=trust_env(target.base_url),
                              limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
 
 
@@ -184,7 +184,7 @@ async def closed_loop(target: Target, concurrency: int, lengths: Lengths, window
             p, o = lengths.sample(rng)
             results.append(await send(client, target, make_prompt(p, rng), o))
 
-    async with _client(concurrency) as client:
+    async with _client(target, concurrency) as client:
         with LoopLag() as lag:
             workers = [asyncio.get_running_loop().create_task(worker(client)) for _ in range(concurrency)]
             if abandon:
@@ -225,7 +225,7 @@ async def closed_loop_until_steady(target: Target, concurrency: int, lengths: Le
     def rate(a: float, b: float) -> float | None:
         return output_rate(a, b) if output_rate is not None else completions(a, b)
 
-    async with _client(concurrency) as client:
+    async with _client(target, concurrency) as client:
         with LoopLag() as lag:
             workers = [asyncio.get_running_loop().create_task(worker(client)) for _ in range(concurrency)]
             await asyncio.sleep(warmup_s)
@@ -269,7 +269,7 @@ async def open_loop(target: Target, lengths: Lengths, window: Window, rate: floa
     else:
         times = [a / speedup for a in lengths.arrivals if a / speedup < horizon]
     tasks = []
-    async with _client(max_outstanding, timeout_s) as client:
+    async with _client(target, max_outstanding, timeout_s) as client:
         with LoopLag() as lag:
             for i, at in enumerate(times):
                 delay = t0 + at - time.monotonic()

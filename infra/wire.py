@@ -1,14 +1,29 @@
 """What the load generator reads off the wire: a server-sent event stream's lines, and the
-`Server-Timing` header poolserve's route writes."""
+`Server-Timing` header poolserve's route writes; and whether a client to a URL takes the
+environment's proxies."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import AsyncIterator
 
 import httpx
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def trust_env(url: str) -> bool:
+    """Whether an HTTP client to `url` takes its proxy settings from the environment: not for a
+    loopback address, which no proxy can mean. httpx sent calls to 127.0.0.1, tenant and admin
+    keys with them, to the `HTTP_PROXY` of the user's shell unless `NO_PROXY` named the address."""
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: the user's proxy settings decide, as for any client
+        return True
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:

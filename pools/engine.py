@@ -12,11 +12,13 @@ import asyncio
 import collections
 import hashlib
 import json
+import math
 import os
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Protocol
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, MutableMapping, Protocol
 
 from pools.types import EngineStats, LatencySample, PoolCall
 
@@ -113,9 +115,50 @@ def _cores(bind: str | None) -> str:
         return bind or "all"
 
 
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process can use: its CPU affinity, within its cgroup's CPU quota (a
+    Kubernetes CPU limit), rounded up. `os.cpu_count()` is the host's: a pod held to 4 cores
+    of a 64-core node named the node's 64, and shared a profile with pods that have them all."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = _cpu_quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def _cpu_quota(cgroup: Path) -> float | None:
+    """Cores' worth of CPU time the cgroup allows: cgroup v2's `cpu.max` ("max 100000" is none),
+    else v1's CFS quota over its period (-1 is none); None without a limit or a readable file."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota, period = (int((cgroup / "cpu" / f"cpu.cfs_{n}_us").read_text()) for n in ("quota", "period"))
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+# Environment variables with which vLLM would override what a pool's config sets.
+ENGINE_OVERRIDES = ("VLLM_CPU_KVCACHE_SPACE",)
+
+
+def drop_engine_overrides(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Remove from a replica's environment, before its engine starts, what vLLM would let
+    override the pool's config; the names removed. vLLM's CPU platform sizes the KV cache by a
+    non-empty `VLLM_CPU_KVCACHE_SPACE` over `kv_cache_memory_bytes`, and Ray's workers inherit
+    the shell that started Ray: a value there sized every pool's cache, not `engine.kv_cache_gb`
+    (which the profile's fingerprint names). An empty value is no fix: vLLM's workers parse it."""
+    return [name for name in ENGINE_OVERRIDES if environ.pop(name, None) is not None]
+
+
 def hardware_name() -> str:
-    """The accelerator a profile was measured on: GPU name, or the CPU model and cores.
-    `POOLSERVE_HARDWARE` overrides it (a fingerprint no profile has forces a recalibration)."""
+    """The accelerator a profile was measured on: GPU name, or the CPU model and the cores this
+    process can use. `POOLSERVE_HARDWARE` overrides it (a fingerprint no profile has forces a
+    recalibration)."""
     override = os.environ.get("POOLSERVE_HARDWARE")
     if override:
         return override
@@ -135,7 +178,7 @@ def hardware_name() -> str:
                     break
     except OSError:
         pass
-    return f"cpu:{platform.machine()}:{model}:{os.cpu_count()}cores"
+    return f"cpu:{platform.machine()}:{model}:{usable_cores()}cores"
 
 
 async def batched(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list[Any]]:

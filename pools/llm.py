@@ -7,7 +7,10 @@ code and its tests never load them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger("poolserve.pool")
 
 
 def request_models() -> tuple[type, type]:
@@ -122,6 +125,10 @@ class RayLLMEngine:
     async def start(self) -> None:
         import asyncio
 
+        from pools.engine import drop_engine_overrides
+
+        if dropped := drop_engine_overrides():
+            log.warning("ignoring %s from the environment: the pool's engine settings size the engine", dropped)
         self._engine = _stat_logging_engine_cls(self)(self._llm_config)
         if not needs_node_download(self._llm_config):
             self._llm_config.get_or_create_callback().ctx.run_init_node = False

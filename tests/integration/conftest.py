@@ -124,7 +124,13 @@ def stack():
         make_tiny_model(MODEL)
     resolved = load(CONFIG)
     c = resolved.config
-    start_local_ray(c.ray, include_dashboard=True, dashboard_port=8275, log_to_driver=False)
+    # The shell that starts Ray asks vLLM for another KV cache: the engines keep the config's
+    # (test_kv_estimator_matches_vllm_startup_log). Ray's processes have it from here on.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "3"
+    try:
+        start_local_ray(c.ray, include_dashboard=True, dashboard_port=8275, log_to_driver=False)
+    finally:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
     serve.start(http_options={"host": c.router.host, "port": c.router.port})
     deploy(resolved)
     s = Stack(f"http://{c.router.host}:{c.router.port}", f"http://127.0.0.1:{c.ray.metrics_export_port}/metrics",

@@ -42,7 +42,7 @@ class _Body(httpx.AsyncByteStream):
 @pytest.fixture
 def fake(monkeypatch):
     def install(slow_after: int):
-        monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+        monkeypatch.setattr(loadgen, "_client", lambda target, n, timeout_s=600: httpx.AsyncClient(
             transport=httpx.MockTransport(_server(slow_after)), timeout=timeout_s))
     return install
 
@@ -77,7 +77,7 @@ def test_a_prompt_seed_changes_the_words_and_keeps_the_arrivals_and_lengths(monk
             bodies.append(json.loads(request.content))
             return await _server(slow_after=10_000)(request)
 
-        monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+        monkeypatch.setattr(loadgen, "_client", lambda target, n, timeout_s=600: httpx.AsyncClient(
             transport=httpx.MockTransport(handler), timeout=timeout_s))
         r = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(16, 8, 0.5, seed=3), Window(0, 0.6),
                                   rate=30, seed=1, prompt_seed=prompt_seed))
