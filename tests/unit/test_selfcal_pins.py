@@ -1,0 +1,36 @@
+"""The background sweep's pins hold the pool only while a step measures it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from autoscale.selfcal import Calibrator
+from autoscale.store import ProfileStore
+from infra.state import MemoryStore
+from tests.unit.test_selfcal import FP, FakePool, controller, report, spec
+
+
+def test_own_traffic_between_two_steps_is_not_held_at_the_last_steps_pin():
+    """Own traffic arriving as a step ended was served at its pin (here 1 sequence) while the sweep
+    waited for quiet before the next step: until the traffic stopped, or for two minutes."""
+    async def go():
+        c = controller(spec(sweep=(1, 4)), ProfileStore(MemoryStore()))
+        pool = FakePool(c)
+        report(c, FP)
+        reporter = asyncio.get_running_loop().create_task(pool.report_forever())
+        cal = Calibrator(c, pool.handle, 2048)
+        cal._pin("p", 1)  # as the first step left it
+        pool.own = 3
+        while not any(r.gate.own_work for r in c.replica_stats("p")):  # its report is in
+            await asyncio.sleep(0.01)
+        waiting = asyncio.get_running_loop().create_task(cal._quiet("p", time.monotonic()))
+        await asyncio.sleep(0.5)
+        during = c.status("p").pinned, c.allowed("p")
+        pool.own = 0
+        await asyncio.wait_for(waiting, 10)
+        reporter.cancel()
+        return during
+
+    pinned, allowed = asyncio.run(go())
+    assert pinned is None and (allowed.low, allowed.high) == (1, 16)  # its fallback range
