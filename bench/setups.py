@@ -117,8 +117,11 @@ def stock_one_pool() -> str:
 
 def engine_env(core: str) -> dict:
     from deployments.app import engine_env
+    from pools.engine import ENGINE_OVERRIDES
 
-    return {**os.environ, **engine_env(), "VLLM_CPU_OMP_THREADS_BIND": core}
+    # the baselines' engines are sized by their own settings too, never by the shell's
+    shell = {k: v for k, v in os.environ.items() if k not in ENGINE_OVERRIDES}
+    return {**shell, **engine_env(), "VLLM_CPU_OMP_THREADS_BIND": core}
 
 
 def vllm_server(log: Path) -> subprocess.Popen:

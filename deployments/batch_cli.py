@@ -20,6 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from infra.wire import no_proxy_to_loopback, trust_env
+
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 
@@ -38,6 +40,8 @@ def ray_token() -> str | None:
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
+    if not trust_env(address):
+        no_proxy_to_loopback()
     token = ray_token()  # Ray's token authentication is on by default for a cluster ray.init() starts
     return JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"} if token else None)
 

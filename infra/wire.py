@@ -5,7 +5,9 @@ environment's proxies."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+from typing import MutableMapping
 from typing import AsyncIterator
 
 import httpx
@@ -13,17 +15,32 @@ import httpx
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+
+
+def no_proxy_to_loopback(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Name this machine's addresses in `NO_PROXY`, for a client poolserve does not build itself
+    (Ray's job client uses `requests`): a proxy in the user's shell got the Ray job API's calls to
+    127.0.0.1, Ray's token with them. Both spellings get the union of both (`requests` reads
+    `no_proxy` first and would lose what only `NO_PROXY` named)."""
+    names = [n.strip() for key in ("no_proxy", "NO_PROXY") for n in environ.get(key, "").split(",") if n.strip()]
+    merged = ",".join(dict.fromkeys(names + list(LOOPBACK_NAMES)))
+    environ["no_proxy"] = environ["NO_PROXY"] = merged
+
+
 def trust_env(url: str) -> bool:
     """Whether an HTTP client to `url` takes its proxy settings from the environment: not for a
     loopback address, which no proxy can mean. httpx sent calls to 127.0.0.1, tenant and admin
     keys with them, to the `HTTP_PROXY` of the user's shell unless `NO_PROXY` named the address."""
-    host = httpx.URL(url).host
-    if host == "localhost":
+    host = httpx.URL(url).host.lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always this machine
         return False
     try:
-        return not ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:  # a name: the user's proxy settings decide, as for any client
         return True
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    return not (ip.is_loopback or ip.is_unspecified)  # 0.0.0.0: a server's bind address, this machine
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:

@@ -29,6 +29,7 @@ from infra.wire import trust_env
 
 REPO = Path(__file__).resolve().parents[2]
 
+VERSION = {"ray_version": "2.60.0", "version": "4", "session_name": "s"}  # Ray's job API, as its client checks it
 ANSWER = {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": "a b c d"}],
           "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}}
 
@@ -44,7 +45,8 @@ class _Server:
             def _reply(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 seen.append((self.command, self.path, self.headers.get("authorization")))
-                data = json.dumps([] if "/admin/" in self.path else ANSWER).encode()
+                data = json.dumps([] if "/admin/" in self.path else VERSION if self.path == "/api/version"
+                                  else ANSWER).encode()
                 self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
@@ -108,9 +110,27 @@ def test_the_admin_client_reaches_a_local_router_directly(behind_a_proxy):
     assert proxy.seen == [] and server.seen == [("GET", "/admin/decisions?limit=100", "Bearer admin-key")]
 
 
+def test_rays_job_client_reaches_a_local_job_api_directly(behind_a_proxy, monkeypatch):
+    """Ray's job client (batch submission, from the CLI and the Batch API's service) uses
+    `requests`, which poolserve does not build: loopback addresses are named in NO_PROXY for it,
+    keeping what the shell named there, in both spellings."""
+    from deployments import batch_cli
+
+    server, proxy = behind_a_proxy
+    monkeypatch.setenv("NO_PROXY", "corp.internal")
+    monkeypatch.setenv("no_proxy", "")  # both restored after the test
+    batch_cli._client(server.url)
+    assert proxy.seen == [] and {path for _, path, _ in server.seen} == {"/api/version"}
+    for key in ("no_proxy", "NO_PROXY"):
+        assert os.environ[key].split(",")[:2] == ["corp.internal", "localhost"]
+    batch_cli._client(server.url)  # a second client names nothing twice
+    assert os.environ["no_proxy"].count("127.0.0.1") == 1
+
+
 @pytest.mark.parametrize("url, trusted", [
     ("http://127.0.0.1:8000/v1", False), ("http://127.8.9.10:8000", False), ("http://localhost:8000", False),
-    ("http://[::1]:8000/v1", False), ("https://LOCALHOST/v1", False),
+    ("http://[::1]:8000/v1", False), ("https://LOCALHOST/v1", False), ("http://0.0.0.0:8000", False),
+    ("http://localhost.:8000", False), ("http://pool.localhost:8000", False), ("http://[::ffff:127.0.0.1]:80", False),
     ("http://10.0.0.5:8000", True), ("http://raycluster-head-svc:8000", True), ("https://api.example.com/v1", True),
 ])
 def test_only_a_remote_address_takes_the_environments_proxy(url, trusted):
@@ -147,9 +167,12 @@ def test_the_hardware_names_the_cores_the_engine_can_use_not_the_hosts(tmp_path,
 def test_make_takes_its_settings_from_its_command_line_not_from_the_shell(target):
     """A `CONFIG`, `PYTHON` or `PIP_EXTRA` exported for something else did not change what the
     README's commands ran; on make's command line they do."""
+    # Under `make test PYTHON=...`, MAKEFLAGS carries the outer command line into this make.
+    outer = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+
     def dry_run(*args: str, **env: str) -> str:
         return subprocess.run(["make", "-n", "-B", target, *args], cwd=REPO, capture_output=True, text=True,
-                              check=True, env={**os.environ, **env}).stdout
+                              check=True, env={**outer, **env}).stdout
 
     shell = dry_run(CONFIG="/elsewhere/other.yaml", PYTHON="/no/such/python", PIP_EXTRA="--index-url http://x")
     assert "/elsewhere" not in shell and "/no/such/python" not in shell and "http://x" not in shell

@@ -23,7 +23,7 @@ def test_the_measurement_starts_where_the_output_rate_became_steady(monkeypatch)
     async def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=_Body(stream()))
 
-    monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+    monkeypatch.setattr(loadgen, "_client", lambda target, n, timeout_s=600: httpx.AsyncClient(
         transport=httpx.MockTransport(handler), timeout=timeout_s))
     run = asyncio.run(closed_loop_until_steady(Target("http://x/v1", "k"), 4, synthetic_lengths(8, 4), warmup_s=0,
                                                check_s=0.25, min_s=0.5, cap_s=10))
@@ -39,7 +39,7 @@ def test_steadiness_follows_the_engines_count_where_it_is_given(monkeypatch):
         await asyncio.sleep(0.3)
         return httpx.Response(200, json={"choices": [{"text": "a"}], "usage": {"prompt_tokens": 4, "completion_tokens": 64}})
 
-    monkeypatch.setattr(loadgen, "_client", lambda n, timeout_s=600: httpx.AsyncClient(
+    monkeypatch.setattr(loadgen, "_client", lambda target, n, timeout_s=600: httpx.AsyncClient(
         transport=httpx.MockTransport(handler), timeout=timeout_s))
     target = Target("http://x/v1", "k", stream=False)
 
