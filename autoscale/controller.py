@@ -223,13 +223,13 @@ class Controller:
                 list(self.allowed(p.spec.name).steps))
 
     def sweep_pin(self, name: str, seqs: int | None) -> int:
-        """A background sweep holds the pool at `seqs` (None: lets go); the epoch that carries it."""
+        """A background sweep holds the pool at `seqs` (None: lets go, if it holds it); the epoch that carries it."""
         p = self._pools[name]
-        if seqs is None and p.sweep is not None and p.policy is not None:
-            # The P99s hold the sweep's requests for a latency window: a change, not the autoscaler's move.
+        if seqs is None and p.sweep is not None and p.policy is not None:  # its requests stay in the P99s: a change
             p.policy = replace(p.policy, last_change_at=self._clock(), last_direction=0)
-        p.sweep = seqs
-        self._bump(p)
+        if seqs is not None or p.sweep is not None:  # letting go of nothing changes nothing
+            p.sweep = seqs
+            self._bump(p)
         return p.operator.epoch
 
     def needs_sweep(self) -> list[str]:

@@ -8,8 +8,9 @@ handle: borrowed-class work, which the gate admits only after the pool's own, an
 does not lend into a calibrating pool. The step runs past its warm-up until the engines'
 output rate is steady (or its time cap). Traffic of the pool's own that arrives stops the
 step at once: the pin is lifted (the pool serves at its fallback range again) and the step
-is measured again later; traffic that arrives as a step ends lifts the step's pin as well. The rows then go through the knee finder, and the profile is kept
-in the profile store and adopted by the controller.
+is measured again later; traffic that arrives as a step ends lifts the step's pin as well.
+The rows then go through the knee finder, and the profile is kept in the profile store and
+adopted by the controller.
 
 Latency is measured at this end of the handle, one hop from the engine; output throughput
 from the engines' own token counters in the replicas' reports.
@@ -64,7 +65,6 @@ class Calibrator:
         self._clock, self._sleep, self._seed = clock, sleep, seed
         self.running: str | None = None
         self._busy_at = 0.0  # when the pool being calibrated last had traffic of its own
-        self._holding = False  # whether a step's pin holds the pool being calibrated
         self._not_before: dict[str, float] = {}  # pools that could not be measured: their next try
 
     async def step(self) -> None:
@@ -97,12 +97,8 @@ class Calibrator:
             log.exception("pool %s: calibration failed", name)
             self._c.sweep_failed(name, f"{type(e).__name__}: {e}")
         finally:
-            self._pin(name, None)
+            self._c.sweep_pin(name, None)
             self.running = None
-
-    def _pin(self, name: str, seqs: int | None) -> int:
-        self._holding = seqs is not None
-        return self._c.sweep_pin(name, seqs)
 
     async def _step_until_measured(self, name: str, seqs: int, label: str) -> LadderRow:
         since = self._clock()  # a step its own traffic keeps interrupting waits as long as one it never lets start
@@ -113,7 +109,7 @@ class Calibrator:
             try:
                 return await self._measure(name, seqs)
             except Interrupted:  # the pool serves its own traffic at its fallback range again
-                self._pin(name, None)
+                self._c.sweep_pin(name, None)
                 log.info("pool %s: its own traffic arrived during calibration at %d; measuring again later",
                          name, seqs)
 
@@ -127,8 +123,7 @@ class Calibrator:
             now, reports = self._clock(), self._c.replica_stats(name)
             if not reports or any(s.gate.own_work for s in reports):
                 self._busy_at = now
-                if self._holding:  # between steps: the last step's pin must not hold the pool's own work
-                    self._pin(name, None)
+                self._c.sweep_pin(name, None)  # between steps: the last step's pin must not hold own work
                 if now - since > WAIT_FOR_POOL_S:
                     raise NotNow(f"{'its own traffic did not pause' if reports else 'no replica reported'} for "
                                  f"{WAIT_FOR_POOL_S:g} s")
@@ -138,7 +133,7 @@ class Calibrator:
 
     async def _measure(self, name: str, seqs: int) -> LadderRow:
         cal = self._c.spec(name).calibration
-        epoch, since = self._pin(name, seqs), self._clock()
+        epoch, since = self._c.sweep_pin(name, seqs), self._clock()
         while not (reports := self._c.replica_stats(name)) or any(s.applied_epoch < epoch for s in reports):
             if self._clock() - since > WAIT_FOR_POOL_S:
                 raise NotNow(f"no replica applied the step's limit within {WAIT_FOR_POOL_S:g} s")

@@ -117,10 +117,10 @@ def stock_one_pool() -> str:
 
 def engine_env(core: str) -> dict:
     from deployments.app import engine_env
-    from pools.engine import ENGINE_OVERRIDES
+    from pools.engine import drop_engine_overrides
 
-    # the baselines' engines are sized by their own settings too, never by the shell's
-    shell = {k: v for k, v in os.environ.items() if k not in ENGINE_OVERRIDES}
+    shell = dict(os.environ)
+    drop_engine_overrides(shell)  # the baselines' engines are sized by their own settings too
     return {**shell, **engine_env(), "VLLM_CPU_OMP_THREADS_BIND": core}
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from typing import MutableMapping
-from typing import AsyncIterator
+from typing import AsyncIterator, MutableMapping
 
 import httpx
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import json
 import math
@@ -143,7 +144,7 @@ def _cpu_quota(cgroup: Path) -> float | None:
 
 
 # Environment variables with which vLLM would override what a pool's config sets.
-ENGINE_OVERRIDES = ("VLLM_CPU_KVCACHE_SPACE",)
+_ENGINE_OVERRIDES = ("VLLM_CPU_KVCACHE_SPACE",)
 
 
 def drop_engine_overrides(environ: MutableMapping[str, str] = os.environ) -> list[str]:
@@ -152,16 +153,19 @@ def drop_engine_overrides(environ: MutableMapping[str, str] = os.environ) -> lis
     non-empty `VLLM_CPU_KVCACHE_SPACE` over `kv_cache_memory_bytes`, and Ray's workers inherit
     the shell that started Ray: a value there sized every pool's cache, not `engine.kv_cache_gb`
     (which the profile's fingerprint names). An empty value is no fix: vLLM's workers parse it."""
-    return [name for name in ENGINE_OVERRIDES if environ.pop(name, None) is not None]
+    return [name for name in _ENGINE_OVERRIDES if environ.pop(name, None) is not None]
 
 
 def hardware_name() -> str:
     """The accelerator a profile was measured on: GPU name, or the CPU model and the cores this
     process can use. `POOLSERVE_HARDWARE` overrides it (a fingerprint no profile has forces a
     recalibration)."""
-    override = os.environ.get("POOLSERVE_HARDWARE")
-    if override:
-        return override
+    return os.environ.get("POOLSERVE_HARDWARE") or _detected_hardware()
+
+
+@functools.cache
+def _detected_hardware() -> str:
+    """Once per process: a replica's every report carries its fingerprint."""
     try:
         import torch
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -160,6 +161,7 @@ def test_the_hardware_names_the_cores_the_engine_can_use_not_the_hosts(tmp_path,
     assert engine.usable_cores(tmp_path) == cores
     monkeypatch.delenv("POOLSERVE_HARDWARE", raising=False)
     monkeypatch.setattr(engine, "usable_cores", lambda: cores)
+    monkeypatch.setattr(engine, "_detected_hardware", functools.cache(engine._detected_hardware.__wrapped__))
     assert engine.hardware_name().endswith(f":{cores}cores")
 
 

@@ -20,7 +20,7 @@ def test_own_traffic_between_two_steps_is_not_held_at_the_last_steps_pin():
         report(c, FP)
         reporter = asyncio.get_running_loop().create_task(pool.report_forever())
         cal = Calibrator(c, pool.handle, 2048)
-        cal._pin("p", 1)  # as the first step left it
+        c.sweep_pin("p", 1)  # as the first step left it
         pool.own = 3
         while not any(r.gate.own_work for r in c.replica_stats("p")):  # its report is in
             await asyncio.sleep(0.01)
