@@ -73,6 +73,10 @@ class _PoolState:
     sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
 
 
+def _pinned(p: _PoolState) -> int | None:
+    return p.sweep if p.sweep is not None else p.operator.pinned
+
+
 class Controller:
     def __init__(self, specs: dict[str, PoolSpec], config: AutoscaleConfig, clock: Callable[[], float],
                  wall_clock: Callable[[], float] = time.time, store: StateStore | None = None,
@@ -115,7 +119,7 @@ class Controller:
 
     def _decide(self, name: str) -> DecisionJson | None:
         p, now = self._pools[name], self._clock()
-        if p.policy is None or self._pinned(p) is not None:
+        if p.policy is None or _pinned(p) is not None:
             return None
         old = p.policy.target
         new, state, reason = decide(self.snapshot(name), p.policy, self._policy_config(p), now)
@@ -170,13 +174,9 @@ class Controller:
 
     def target(self, name: str) -> int | None:
         p = self._pools[name]
-        if (pinned := self._pinned(p)) is not None:
+        if (pinned := _pinned(p)) is not None:
             return pinned
         return None if p.policy is None else p.policy.target
-
-    @staticmethod
-    def _pinned(p: _PoolState) -> int | None:
-        return p.sweep if p.sweep is not None else p.operator.pinned
 
     def views(self) -> dict[str, PoolView]:
         now, max_age = self._clock(), self._config.stats_max_age_s
@@ -187,7 +187,7 @@ class Controller:
         p, allowed, snap = self._pools[name], self.allowed(name), self.snapshot(name)
         serving = allowed_range(p.spec, p.calibration.state, p.measured, False)
         return PoolStatus(pool=name, target_max_active_seqs=self.target(name), epoch=p.operator.epoch,
-                          pinned=self._pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
+                          pinned=_pinned(p), calibrating=p.operator.calibrating or p.sweep is not None,
                           safe_range=(allowed.low, allowed.high), ladder=allowed.steps, slo=self.slo(name),
                           serving_range=(serving.low, serving.high),
                           calibration=p.calibration, lending=p.operator.lending, snapshot=snap,
@@ -282,8 +282,10 @@ class Controller:
     def unpin(self, name: str) -> PinResult:
         p = self._pools[name]
         if p.operator.pinned is not None and p.policy is not None:
-            # Resume from the pinned value (the next tick clamps it into the safe range): no change.
-            p.policy = replace(p.policy, target=p.operator.pinned)
+            # Resume from the pinned value (the next tick clamps it into the safe range): no change,
+            # unless the pin was a sweep's, whose own requests fill the P99s for a latency window.
+            change = {"last_change_at": self._clock(), "last_direction": 0} if p.operator.calibrating else {}
+            p.policy = replace(p.policy, target=p.operator.pinned, **change)
         self._set(p, pinned=None, calibrating=False, epoch=p.operator.epoch + 1)
         return PinResult(pool=name, epoch=p.operator.epoch)
 

@@ -196,6 +196,27 @@ def test_a_pin_that_moved_the_limit_counts_as_a_change_from_the_pin_not_as_a_rev
     assert [(d.old, d.new, d.time) for d in moves] == [(2, 16, 71)]
 
 
+def test_an_unpin_ending_a_calibration_counts_as_a_change_as_a_sweep_letting_go_does():
+    """`poolserve calibrate` ends with an unpin: the P99s of the next latency window are its
+    synthetic steps', not the pool's, and the limit does not step down on them."""
+    c, clock = controller()
+    c.report(stats(seqs=16))
+    clock.t = 100
+    c.pin("p", 16, calibrating=True)
+    slow = (1.5,) * 20  # above the 1 s TTFT SLO
+    for _ in range(10):
+        clock.t += 5
+        c.report(stats(seqs=16, ttft=slow))
+    c.unpin("p")
+    released = clock.t
+    for _ in range(8):
+        clock.t += 5
+        c.report(stats(seqs=16, ttft=slow))
+        c.tick()
+    moves = [d for d in c.decisions() if d.old != d.new and d.action != "pin"]
+    assert [(d.old, d.new, d.time - released) for d in moves] == [(16, 8, 30)]  # latency_window_s after it
+
+
 def test_pin_and_unpin():
     c, clock = controller()
     c.report(stats(seqs=8))
