@@ -217,6 +217,17 @@ def test_an_unpin_ending_a_calibration_counts_as_a_change_as_a_sweep_letting_go_
     assert [(d.old, d.new, d.time - released) for d in moves] == [(16, 8, 30)]  # latency_window_s after it
 
 
+def test_a_sweep_letting_go_of_a_pool_it_does_not_hold_changes_nothing():
+    """The self-calibrator lets go whenever the pool's own traffic shows, up to five times a
+    second for two minutes: that must not move the epoch, the store or the cooldown each time."""
+    c, clock = controller()
+    c.report(stats(seqs=8))
+    clock.t = 50
+    before, policy = c.status("p").epoch, c._pools["p"].policy
+    assert c.sweep_pin("p", None) == before
+    assert c.status("p").epoch == before and c._pools["p"].policy == policy
+
+
 def test_pin_and_unpin():
     c, clock = controller()
     c.report(stats(seqs=8))

@@ -165,6 +165,23 @@ def test_the_hardware_names_the_cores_the_engine_can_use_not_the_hosts(tmp_path,
     assert engine.hardware_name().endswith(f":{cores}cores")
 
 
+def test_the_hardware_is_detected_once_and_a_named_one_still_wins(monkeypatch):
+    """Every replica report asks for the fingerprint; the cgroup files are read once a process."""
+    from pools import engine
+
+    calls = []
+    monkeypatch.delenv("POOLSERVE_HARDWARE", raising=False)
+    monkeypatch.setattr(engine, "usable_cores", lambda: calls.append(1) or 3)
+    engine._detected_hardware.cache_clear()  # what this process detected before the patch
+    try:
+        assert engine.hardware_name() == engine.hardware_name() and engine.hardware_name().endswith(":3cores")
+        assert len(calls) == 1
+        monkeypatch.setenv("POOLSERVE_HARDWARE", "gpu:L4:1")
+        assert engine.hardware_name() == "gpu:L4:1"
+    finally:
+        engine._detected_hardware.cache_clear()  # not the patched cores for the tests after this one
+
+
 @pytest.mark.parametrize("target", ["serve", "setup"])
 def test_make_takes_its_settings_from_its_command_line_not_from_the_shell(target):
     """A `CONFIG`, `PYTHON` or `PIP_EXTRA` exported for something else did not change what the
