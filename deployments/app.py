@@ -76,18 +76,31 @@ def engine_env() -> dict[str, str]:
     return {"VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
 
 
-def start_local_ray(ray_config, **init: Any) -> None:
+def start_local_ray(ray_config, **init: Any) -> str | None:
     """Start the Ray that poolserve runs on itself (`poolserve serve`, the integration suite,
     the benchmarks): its processes inherit this process's environment, which carries Serve's
     ingress choice (`ray.haproxy`). An ingress replica's drain before it stops is HAProxy's
-    grace to take it out of rotation: on one host that takes milliseconds, not Serve's 30 s."""
+    grace to take it out of rotation: on one host that takes milliseconds, not Serve's 30 s.
+    Returns its dashboard's URL (None: no dashboard)."""
     import ray
 
     if ray_config.haproxy:
         os.environ.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
     else:
         os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-    ray.init(**init, **local_ray_init_kwargs(ray_config))
+    context = ray.init(**init, **local_ray_init_kwargs(ray_config))
+    return f"http://{context.dashboard_url}" if context.dashboard_url else None
+
+
+def on_local_dashboard(resolved: Resolved, url: str | None) -> Resolved:
+    """Batches go to the job API of the Ray poolserve started, unless the config names one: Ray
+    gives its dashboard the next free port when 8265 is taken (by another Ray on the machine,
+    say), and the default address would submit every batch, the tenant's key with it, there."""
+    batches = resolved.config.batches
+    if url is None or "dashboard_url" in batches.model_fields_set:
+        return resolved
+    config = resolved.config.model_copy(update={"batches": batches.model_copy(update={"dashboard_url": url})})
+    return dataclasses.replace(resolved, config=config)
 
 
 def local_ray_init_kwargs(ray_config) -> dict[str, Any]:

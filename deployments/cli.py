@@ -83,7 +83,8 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import APP_NAME, deploy, start_local_ray
+    from deployments.app import APP_NAME, deploy, on_local_dashboard, start_local_ray
+    from deployments.batch_cli import DEFAULT_ADDRESS
 
     resolved = load_or_report(args.config)
     if resolved is None:
@@ -101,7 +102,7 @@ def _cmd_serve(args) -> int:
                   file=sys.stderr)
             return 1
     else:
-        start_local_ray(c.ray, include_dashboard=c.ray.dashboard)
+        resolved = on_local_dashboard(resolved, start_local_ray(c.ray, include_dashboard=c.ray.dashboard))
     serve.start(http_options={"host": host, "port": port})
     print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
     deploy(resolved, APP_NAME)
@@ -116,7 +117,9 @@ def _cmd_serve(args) -> int:
     print(f"  admin             {base}/admin/pools  (Authorization: Bearer <admin key>)")
     print(f"  metrics           http://127.0.0.1:{c.ray.metrics_export_port}/metrics")
     if c.ray.dashboard and not c.ray.address:
-        print("  ray dashboard     http://127.0.0.1:8265  (job submission: poolserve batch submit)")
+        jobs = resolved.config.batches.dashboard_url
+        print(f"  ray dashboard     {jobs}  (job submission: poolserve batch submit"
+              + ("" if jobs == DEFAULT_ADDRESS else f" --address {jobs}") + ")")
     print("Ctrl-C stops it.", flush=True)
     stop = {signal.SIGINT, signal.SIGTERM}  # blocked, so that either one (a terminal, kill, a pod) reaches sigwait
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)

@@ -245,3 +245,18 @@ def test_internal_access_logs_follow_the_config(model_dir, on):
     r = check(data, model_dir)
     for app in (build_controller(r, "poolserve"), build_ledger(r), build_batches(r)):
         assert app._bound_deployment.logging_config["enable_access_log"] is on
+
+
+@pytest.mark.parametrize("named", [None, "http://jobs.example:8265"])
+def test_batches_go_to_the_ray_poolserve_started_when_another_holds_8265(model_dir, named):
+    """Ray gives the dashboard of a Ray poolserve starts the next free port when 8265 is taken
+    (another Ray on the machine): the Batch API submitted every batch, the tenant's key with it,
+    to that other Ray. A job API the config names is kept."""
+    from deployments.app import on_local_dashboard
+
+    data = base() if named is None else {**base(), "batches": {"dashboard_url": named}}
+    resolved = check(data, model_dir)
+    started = on_local_dashboard(resolved, "http://127.0.0.1:8266")
+    assert started.config.batches.dashboard_url == (named or "http://127.0.0.1:8266")
+    assert started.pools == resolved.pools and started.config.router == resolved.config.router
+    assert on_local_dashboard(resolved, None) is resolved  # no dashboard: nothing to submit to
