@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ ROUTER = "router"
 CONTROLLER = "autoscale-controller"
 LEDGER = "quota-ledger"
 BATCHES = "batch-service"
+DASHBOARD_HOST, DASHBOARD_PORT = "127.0.0.1", 8265  # Ray's defaults for a dashboard it starts
 STATE_NAMESPACE = "poolserve"  # Ray's GCS key-value namespace of the control state that outlives replicas
 
 
@@ -81,26 +83,55 @@ def start_local_ray(ray_config, **init: Any) -> str | None:
     the benchmarks): its processes inherit this process's environment, which carries Serve's
     ingress choice (`ray.haproxy`). An ingress replica's drain before it stops is HAProxy's
     grace to take it out of rotation: on one host that takes milliseconds, not Serve's 30 s.
-    Returns its dashboard's URL (None: no dashboard)."""
+    Returns its dashboard's URL (None: no dashboard), which is its job API."""
     import ray
 
     if ray_config.haproxy:
         os.environ.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
     else:
         os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-    context = ray.init(**init, **local_ray_init_kwargs(ray_config))
-    return f"http://{context.dashboard_url}" if context.dashboard_url else None
+    if init.get("include_dashboard"):
+        # Ray itself would move to a free port where 8265 is taken and report the move only as a
+        # URL for people (RAY_OVERRIDE_DASHBOARD_URL replaces it): pick the port here instead.
+        init.setdefault("dashboard_host", DASHBOARD_HOST)
+        init.setdefault("dashboard_port", free_port(init["dashboard_host"], DASHBOARD_PORT))
+    ray.init(**init, **local_ray_init_kwargs(ray_config))
+    return f"http://{init['dashboard_host']}:{init['dashboard_port']}" if init.get("include_dashboard") else None
+
+
+def free_port(host: str, first: int, tries: int = 50) -> int:
+    """The first port from `first` that the dashboard can bind, tested as Ray tests it."""
+    for port in range(first, first + tries):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for Ray's dashboard in {first}-{first + tries - 1}")
 
 
 def on_local_dashboard(resolved: Resolved, url: str | None) -> Resolved:
-    """Batches go to the job API of the Ray poolserve started, unless the config names one: Ray
-    gives its dashboard the next free port when 8265 is taken (by another Ray on the machine,
-    say), and the default address would submit every batch, the tenant's key with it, there."""
+    """Batches go to the job API of the Ray poolserve started, unless the config names one:
+    where 8265 is taken (by another Ray on the machine, say), the default address would submit
+    every batch, the tenant's key with it, there."""
     batches = resolved.config.batches
     if url is None or "dashboard_url" in batches.model_fields_set:
         return resolved
     config = resolved.config.model_copy(update={"batches": batches.model_copy(update={"dashboard_url": url})})
     return dataclasses.replace(resolved, config=config)
+
+
+def local_jobs_problem(resolved: Resolved) -> str | None:
+    """Why the Batch API could not submit its jobs on a Ray that poolserve starts, if so: only
+    the dashboard serves Ray's job API."""
+    c = resolved.config
+    if resolved.batches_dir is None or c.ray.dashboard or "dashboard_url" in c.batches.model_fields_set:
+        return None
+    return ("batches.dir turns the Batch API on, and each batch runs as a Ray job, but ray.dashboard is false: "
+            "the Ray that poolserve starts would have no job API. Set ray.dashboard: true, or "
+            "batches.dashboard_url to a job API elsewhere, or leave batches.dir unset.")
 
 
 def local_ray_init_kwargs(ray_config) -> dict[str, Any]:

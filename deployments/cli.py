@@ -83,7 +83,7 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import APP_NAME, deploy, on_local_dashboard, start_local_ray
+    from deployments.app import APP_NAME, deploy, local_jobs_problem, on_local_dashboard, start_local_ray
     from deployments.batch_cli import DEFAULT_ADDRESS
 
     resolved = load_or_report(args.config)
@@ -92,6 +92,7 @@ def _cmd_serve(args) -> int:
     c = resolved.config
     host = args.host or c.router.host
     port = args.port or c.router.port
+    dashboard = None  # of the Ray started here
     if c.ray.address:
         try:
             ray.init(address=c.ray.address)
@@ -101,8 +102,12 @@ def _cmd_serve(args) -> int:
                   "~/.ray/auth_token or RAY_AUTH_TOKEN (`ray get-auth-token` on the head node prints it).",
                   file=sys.stderr)
             return 1
+    elif problem := local_jobs_problem(resolved):
+        print(f"{args.config}: {problem}", file=sys.stderr)
+        return 1
     else:
-        resolved = on_local_dashboard(resolved, start_local_ray(c.ray, include_dashboard=c.ray.dashboard))
+        dashboard = start_local_ray(c.ray, include_dashboard=c.ray.dashboard)
+        resolved = on_local_dashboard(resolved, dashboard)
     serve.start(http_options={"host": host, "port": port})
     print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
     deploy(resolved, APP_NAME)
@@ -117,9 +122,8 @@ def _cmd_serve(args) -> int:
     print(f"  admin             {base}/admin/pools  (Authorization: Bearer <admin key>)")
     print(f"  metrics           http://127.0.0.1:{c.ray.metrics_export_port}/metrics")
     if c.ray.dashboard and not c.ray.address:
-        jobs = resolved.config.batches.dashboard_url
-        print(f"  ray dashboard     {jobs}  (job submission: poolserve batch submit"
-              + ("" if jobs == DEFAULT_ADDRESS else f" --address {jobs}") + ")")
+        print(f"  ray dashboard     {dashboard}  (job submission: poolserve batch submit"
+              + ("" if dashboard == DEFAULT_ADDRESS else f" --address {dashboard}") + ")")
     print("Ctrl-C stops it.", flush=True)
     stop = {signal.SIGINT, signal.SIGTERM}  # blocked, so that either one (a terminal, kill, a pod) reaches sigwait
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)

@@ -71,7 +71,7 @@ class BatchesConfig(Frozen):
                                                      "http://127.0.0.1:<router.port>, the head node's own proxy).")
     dashboard_url: str = Field("http://127.0.0.1:8265", description=(
         "Ray's job API, where batches are submitted. Unset, `poolserve serve` takes the dashboard of the Ray it "
-        "starts (8265, or the next free port when another process holds it)."))
+        "starts (8265, or the first free port after it)."))
     concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
     max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger files get 413 (the form around one is not "
                                                                 "counted).")

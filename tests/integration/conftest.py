@@ -115,7 +115,7 @@ def stack():
     import ray
     from ray import serve
 
-    from deployments.app import deploy, start_local_ray
+    from deployments.app import deploy, on_local_dashboard, start_local_ray
     from deployments.config import load
 
     if not (MODEL / "config.json").exists():
@@ -128,14 +128,14 @@ def stack():
     # (test_kv_estimator_matches_vllm_startup_log). Ray's processes have it from here on.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "3"
     try:
-        jobs = start_local_ray(c.ray, include_dashboard=True, dashboard_port=8275, log_to_driver=False)
+        # Where the Batch API submits, as `poolserve serve` sets it: 8265, or the next free port.
+        resolved = on_local_dashboard(resolved, start_local_ray(c.ray, include_dashboard=True, log_to_driver=False))
     finally:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
     serve.start(http_options={"host": c.router.host, "port": c.router.port})
     deploy(resolved)
     s = Stack(f"http://{c.router.host}:{c.router.port}", f"http://127.0.0.1:{c.ray.metrics_export_port}/metrics",
-              jobs, resolved)
-    assert jobs == c.batches.dashboard_url == "http://127.0.0.1:8275", jobs  # where the Batch API submits
+              resolved.config.batches.dashboard_url, resolved)
     wait_for(lambda: all(v["replicas"] for v in s.pools().values()), 60, what="first replica reports")
     yield s
     serve.shutdown()

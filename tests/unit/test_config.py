@@ -260,3 +260,30 @@ def test_batches_go_to_the_ray_poolserve_started_when_another_holds_8265(model_d
     assert started.config.batches.dashboard_url == (named or "http://127.0.0.1:8266")
     assert started.pools == resolved.pools and started.config.router == resolved.config.router
     assert on_local_dashboard(resolved, None) is resolved  # no dashboard: nothing to submit to
+
+
+def test_the_dashboard_takes_the_first_free_port_from_8265():
+    """Where Ray would pick its dashboard's port itself, poolserve could not know where it went."""
+    import socket
+
+    from deployments.app import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert free_port("127.0.0.1", taken) > taken
+
+
+@pytest.mark.parametrize("dashboard, named, refused", [(False, False, True), (True, False, False), (False, True, False)])
+def test_a_batch_api_with_no_job_api_to_submit_to_is_refused_before_ray_starts(model_dir, dashboard, named, refused):
+    """With no dashboard, a Ray that poolserve starts has no job API: the Batch API sent every
+    batch to whatever held 8265."""
+    from deployments.app import local_jobs_problem
+
+    batches = {"dir": "batches", "pool": "offline-batch", **({"dashboard_url": "http://jobs.example:8265"} if named else {})}
+    resolved = check({**base(), "ray": {"dashboard": dashboard}, "batches": batches}, model_dir)
+    problem = local_jobs_problem(resolved)
+    assert (problem is not None) is refused
+    assert problem is None or "ray.dashboard" in problem and "batches.dashboard_url" in problem
+    assert local_jobs_problem(check(base(), model_dir)) is None  # no Batch API, nothing to submit
