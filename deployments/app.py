@@ -16,9 +16,11 @@ args `{config_path}` or `{config, base_dir}`, plus `part`: `control` or a pool's
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 import os
 import socket
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -94,20 +96,24 @@ def start_local_ray(ray_config, **init: Any) -> str | None:
         # Ray itself would move to a free port where 8265 is taken and report the move only as a
         # URL for people (RAY_OVERRIDE_DASHBOARD_URL replaces it): pick the port here instead.
         init.setdefault("dashboard_host", DASHBOARD_HOST)
-        init.setdefault("dashboard_port", free_port(init["dashboard_host"], DASHBOARD_PORT))
+        init.setdefault("dashboard_port", free_port(init["dashboard_host"], DASHBOARD_PORT,
+                                                    skip={ray_config.metrics_export_port}))
     ray.init(**init, **local_ray_init_kwargs(ray_config))
     return f"http://{init['dashboard_host']}:{init['dashboard_port']}" if init.get("include_dashboard") else None
 
 
-def free_port(host: str, first: int, tries: int = 50) -> int:
-    """The first port from `first` that the dashboard can bind, tested as Ray tests it."""
-    for port in range(first, first + tries):
+def free_port(host: str, first: int, tries: int = 50, skip: Collection[int] = ()) -> int:
+    """The first port from `first` that the dashboard can bind, tested as Ray tests it, and not
+    one of `skip` (ports this Ray is given for something else)."""
+    for port in (p for p in range(first, first + tries) if p not in skip):
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host, port))
-            except OSError:
-                continue
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    continue
+                raise  # not a taken port: the host itself (an address it does not have, say)
             return port
     raise RuntimeError(f"no free port for Ray's dashboard in {first}-{first + tries - 1}")
 
@@ -121,17 +127,6 @@ def on_local_dashboard(resolved: Resolved, url: str | None) -> Resolved:
         return resolved
     config = resolved.config.model_copy(update={"batches": batches.model_copy(update={"dashboard_url": url})})
     return dataclasses.replace(resolved, config=config)
-
-
-def local_jobs_problem(resolved: Resolved) -> str | None:
-    """Why the Batch API could not submit its jobs on a Ray that poolserve starts, if so: only
-    the dashboard serves Ray's job API."""
-    c = resolved.config
-    if resolved.batches_dir is None or c.ray.dashboard or "dashboard_url" in c.batches.model_fields_set:
-        return None
-    return ("batches.dir turns the Batch API on, and each batch runs as a Ray job, but ray.dashboard is false: "
-            "the Ray that poolserve starts would have no job API. Set ray.dashboard: true, or "
-            "batches.dashboard_url to a job API elsewhere, or leave batches.dir unset.")
 
 
 def local_ray_init_kwargs(ray_config) -> dict[str, Any]:

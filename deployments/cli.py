@@ -25,6 +25,8 @@ def load_or_report(path: str):
 
 
 def _cmd_validate(args) -> int:
+    from deployments.config import local_jobs_problem
+
     resolved = load_or_report(args.config)
     if resolved is None:
         return 1
@@ -34,6 +36,8 @@ def _cmd_validate(args) -> int:
         kv = f", KV {rp.kv_capacity_tokens} tokens" if rp.kv_capacity_tokens else ""
         print(f"pool {name}: {rp.config.route_prefix}, safe range [{r.low}, {r.high}] from {src}, "
               f"start {rp.start_seqs}{kv}")
+    if not resolved.config.ray.address and (problem := local_jobs_problem(resolved)):
+        print(f"warning: `poolserve serve` refuses it ({problem})")  # `serve run` on a cluster may not
     print(f"{args.config}: OK")
     return 0
 
@@ -83,8 +87,9 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import APP_NAME, deploy, local_jobs_problem, on_local_dashboard, start_local_ray
+    from deployments.app import APP_NAME, deploy, on_local_dashboard, start_local_ray
     from deployments.batch_cli import DEFAULT_ADDRESS
+    from deployments.config import local_jobs_problem
 
     resolved = load_or_report(args.config)
     if resolved is None:

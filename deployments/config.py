@@ -377,3 +377,14 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
     batches_dir = _path(base_dir, config.batches.dir) if config.batches.dir else None
     return Resolved(config, base_dir, model_source, pools, tuple(warnings), profiles_dir, batches_dir,
                     batch_pool(config))
+
+
+def local_jobs_problem(resolved: Resolved) -> str | None:
+    """Why the Batch API could not submit its jobs on a Ray that poolserve starts, if so: only
+    the dashboard serves Ray's job API."""
+    c = resolved.config
+    if resolved.batches_dir is None or c.ray.dashboard or "dashboard_url" in c.batches.model_fields_set:
+        return None
+    return ("batches.dir turns the Batch API on, and each batch runs as a Ray job, but ray.dashboard is false: "
+            "the Ray that poolserve starts would have no job API. Set ray.dashboard: true, or "
+            "batches.dashboard_url to a job API elsewhere, or leave batches.dir unset.")

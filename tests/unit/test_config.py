@@ -273,13 +273,16 @@ def test_the_dashboard_takes_the_first_free_port_from_8265():
         held.listen()
         taken = held.getsockname()[1]
         assert free_port("127.0.0.1", taken) > taken
+        assert free_port("127.0.0.1", taken, skip={taken + 1}) not in (taken, taken + 1)  # the metrics port, say
+    with pytest.raises(OSError):  # not a taken port but an address this host does not have: said, not skipped
+        free_port("192.0.2.1", 8265)
 
 
 @pytest.mark.parametrize("dashboard, named, refused", [(False, False, True), (True, False, False), (False, True, False)])
 def test_a_batch_api_with_no_job_api_to_submit_to_is_refused_before_ray_starts(model_dir, dashboard, named, refused):
     """With no dashboard, a Ray that poolserve starts has no job API: the Batch API sent every
     batch to whatever held 8265."""
-    from deployments.app import local_jobs_problem
+    from deployments.config import local_jobs_problem
 
     batches = {"dir": "batches", "pool": "offline-batch", **({"dashboard_url": "http://jobs.example:8265"} if named else {})}
     resolved = check({**base(), "ray": {"dashboard": dashboard}, "batches": batches}, model_dir)
