@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO
+from bench.intervals import DRAWS, p50, ratio
 from infra.loadgen import read_raw
 from infra.traffic import make_prompt
 
@@ -55,7 +56,7 @@ class Timing:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def compare(ours: list[Timing], theirs: list[Timing]) -> dict:
+def compare(ours: list[Timing], theirs: list[Timing], draws: int = DRAWS) -> dict:
     """Medians of TTFT and TPOT (ms) over each tool's requests inside the window both were
     sending, and how far ours are from theirs."""
     if not ours or not theirs:
@@ -66,15 +67,29 @@ def compare(ours: list[Timing], theirs: list[Timing]) -> dict:
     def inside(ts: list[Timing]) -> list[Timing]:
         return [t for t in ts if lo <= t.start and t.end <= hi]
 
-    def medians(ts: list[Timing]) -> dict:
-        tpots = [t.tpot for t in ts if t.tpot is not None]
-        return {"n": len(ts),
-                "ttft_ms": statistics.median(t.ttft for t in ts) * 1e3 if ts else None,
-                "tpot_ms": statistics.median(tpots) * 1e3 if tpots else None}
+    def samples(ts: list[Timing]) -> dict[str, list[float]]:
+        return {"ttft_ms": [t.ttft * 1e3 for t in ts], "tpot_ms": [t.tpot * 1e3 for t in ts if t.tpot is not None]}
 
-    a, b = medians(inside(ours)), medians(inside(theirs))
+    def medians(xs: dict[str, list[float]]) -> dict:
+        return {k: statistics.median(v) if v else None for k, v in xs.items()}
+
+    xa, xb = samples(inside(ours)), samples(inside(theirs))
+    a, b = medians(xa), medians(xb)
     diff = {k: (a[k] - b[k]) / b[k] if a[k] is not None and b[k] else None for k in ("ttft_ms", "tpot_ms")}
-    return {"overlap_s": max(0.0, hi - lo), "ours": a, "vllm": b, "relative_difference": diff}
+    # A median of ~100 requests moves by several percent from one sample to the next: the
+    # interval says whether a difference is the tools' or the sample's.
+    spread = {k: [iv.lo - 1, iv.hi - 1] for k in diff if diff[k] is not None
+              for iv in [ratio([xa[k]], [xb[k]], p50, draws=draws)]}
+    return {"overlap_s": max(0.0, hi - lo), "ours": {"n": len(inside(ours)), **a},
+            "vllm": {"n": len(inside(theirs)), **b}, "relative_difference": diff,
+            "relative_difference_95": spread}
+
+
+def disagree(out: dict, name: str, within: float = 0.15) -> bool:
+    """Whether the tools measure `name` more than `within` apart: the whole 95% interval of the
+    relative difference beyond it, not the point value, which the sample moves by itself."""
+    lo, hi = out["relative_difference_95"][name]
+    return lo > within or hi < -within
 
 
 def vllm_timings(result: dict) -> list[Timing]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autoscale.profile import load_profile
-from bench.agreement import side_by_side
+from bench.agreement import disagree, side_by_side
 from tests.integration.conftest import ADMIN, CONFIG, KEYS, MODEL, REPO
 
 pytestmark = pytest.mark.integration
@@ -78,15 +78,17 @@ def test_calibrate_runs_from_an_installed_package(stack, tmp_path):
 def test_loadgen_agrees_with_vllm_bench_serve(stack):
     """Side by side on the same endpoint (pool pinned at 4, two streams from each tool),
     128 prompt / 64 output tokens, prompts of the same kind: over the requests of each
-    tool that ran while both were sending, TTFT and TPOT medians agree within 15%."""
+    tool that ran while both were sending, TTFT and TPOT medians agree within 15%, by the
+    95% interval of their difference (the point value of 120 requests a tool moved 17.7%
+    with nothing between the tools)."""
     with stack.pinned("online-chat", 4):
         out = asyncio.run(side_by_side(stack.base_url, "/online", KEYS["chat"], str(MODEL), concurrency=4,
-                                       prompt=128, output=64, requests=120, seed=7))
+                                       prompt=128, output=64, requests=240, seed=7))
     print(f"\nloadgen vs vllm bench serve: {json.dumps(out)}")
-    assert out["requests"]["vllm"] == 120
-    assert out["ours"]["n"] >= 60 and out["vllm"]["n"] >= 90, out  # most of both runs overlapped
+    assert out["requests"]["vllm"] == 240
+    assert out["ours"]["n"] >= 120 and out["vllm"]["n"] >= 180, out  # most of both runs overlapped
     for name in ("ttft_ms", "tpot_ms"):
-        assert abs(out["relative_difference"][name]) <= 0.15, (name, out)
+        assert not disagree(out, name), (name, out)
 
 
 def test_the_shipped_profiles_fit_the_embedded_default(stack):

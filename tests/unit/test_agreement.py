@@ -2,7 +2,10 @@
 
 import pytest
 
-from bench.agreement import Timing, compare, vllm_timings
+import math
+import random
+
+from bench.agreement import Timing, compare, disagree, vllm_timings
 
 
 def test_only_requests_inside_the_shared_window_count():
@@ -39,3 +42,23 @@ def test_vllm_detailed_result_becomes_timings_without_failures():
               "output_lens": [3, 0], "errors": ["", "HTTP 500"]}
     (t,) = vllm_timings(result)
     assert t.start == 1.0 and t.e2e == pytest.approx(0.2) and t.tpot == pytest.approx(0.05)
+
+
+def _timings(rng: random.Random, n: int, scale: float = 1.0) -> list[Timing]:
+    """TTFTs spread as a loaded server's are, around 150 ms."""
+    return [Timing(i / 10, t, t + 1.0, 65) for i in range(n) for t in [0.15 * scale * math.exp(rng.gauss(0, 0.5))]]
+
+
+def test_the_tools_disagree_when_one_measures_more_not_when_the_sample_moves():
+    """One point value of ~120 requests each moved by up to 18% with nothing between the tools
+    (a CI run: 17.7% against a 15% bound): only the interval tells the tools' difference from
+    the sample's. At the integration test's 240 requests, two samples of one server never
+    disagree here, and a tool that measures 40% more on every request nearly always does."""
+    rng = random.Random(0)
+    same = [compare(_timings(rng, 240), _timings(rng, 240), draws=400) for _ in range(8)]
+    assert not any(disagree(out, "ttft_ms") for out in same)
+    assert all(lo < out["relative_difference"]["ttft_ms"] < hi
+               for out in same for lo, hi in [out["relative_difference_95"]["ttft_ms"]])
+    shifted = [compare(_timings(rng, 240, 1.4), _timings(rng, 240), draws=400) for _ in range(8)]
+    assert sum(disagree(out, "ttft_ms") for out in shifted) >= 6
+    assert disagree(compare(_timings(rng, 240), _timings(rng, 240, 1.6), draws=400), "ttft_ms")  # less, too
