@@ -61,8 +61,26 @@ def limits_allowed(c):
     return c.allowed("p") if c.calibration("p").state != "unknown" else FALLBACK
 
 
-def controller(s: PoolSpec, profiles: ProfileStore | None = None) -> Controller:
-    return Controller({"p": s}, AutoscaleConfig(), time.monotonic, profiles=profiles)
+def controller(s: PoolSpec, profiles: ProfileStore | None = None, clock=time.monotonic) -> Controller:
+    return Controller({"p": s}, AutoscaleConfig(), clock, profiles=profiles)
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock jumps to its next timer whenever nothing is ready to run: the
+    fake engine's iterations take 20 + b ms on any host, however busy (on a loaded CI host the
+    real clock's late wake-ups broke a step's P99 and moved the knee)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._now = 0.0
+
+    def time(self) -> float:
+        return self._now
+
+    def _run_once(self) -> None:
+        if not self._ready and self._scheduled:
+            self._now = max(self._now, self._scheduled[0].when())
+        super()._run_once()
 
 
 @pytest.mark.parametrize("mode, fp, state, allowed", [
@@ -127,19 +145,21 @@ def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it
     store = ProfileStore(DirStore(tmp_path))
 
     async def go():
-        c = controller(spec(sweep=(1, 4, 16, 64, 128)), store)
+        clock = asyncio.get_running_loop().time
+        c = controller(spec(sweep=(1, 4, 16, 64, 128)), store, clock)
         pool = FakePool(c)
         report(c, FP)
         assert c.needs_sweep() == ["p"]
         reporter = asyncio.get_running_loop().create_task(pool.report_forever())
-        cal = Calibrator(c, pool.handle, max_model_len=2048)
+        cal = Calibrator(c, pool.handle, max_model_len=2048, clock=clock)
         try:
             await asyncio.wait_for(cal.step(), 60)
         finally:
             reporter.cancel()
         return c, pool
 
-    c, pool = asyncio.run(go())
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        c, pool = runner.run(go())
     status = c.status("p")
     assert status.calibration.state == "profile" and "sweep of this set-up" in status.calibration.source
     assert status.safe_range == (1, 64) and status.pinned is None  # the knee of 20 + b ms: 128 is past it
