@@ -73,15 +73,16 @@ def compare(ours: list[Timing], theirs: list[Timing], draws: int = DRAWS) -> dic
     def medians(xs: dict[str, list[float]]) -> dict:
         return {k: statistics.median(v) if v else None for k, v in xs.items()}
 
-    xa, xb = samples(inside(ours)), samples(inside(theirs))
+    ia, ib = inside(ours), inside(theirs)
+    xa, xb = samples(ia), samples(ib)
     a, b = medians(xa), medians(xb)
     diff = {k: (a[k] - b[k]) / b[k] if a[k] is not None and b[k] else None for k in ("ttft_ms", "tpot_ms")}
     # A median of ~100 requests moves by several percent from one sample to the next: the
     # interval says whether a difference is the tools' or the sample's.
     spread = {k: [iv.lo - 1, iv.hi - 1] for k in diff if diff[k] is not None
               for iv in [ratio([xa[k]], [xb[k]], p50, draws=draws)]}
-    return {"overlap_s": max(0.0, hi - lo), "ours": {"n": len(inside(ours)), **a},
-            "vllm": {"n": len(inside(theirs)), **b}, "relative_difference": diff,
+    return {"overlap_s": max(0.0, hi - lo), "ours": {"n": len(ia), **a}, "vllm": {"n": len(ib), **b},
+            "relative_difference": diff,
             "relative_difference_95": spread}
 
 

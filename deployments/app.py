@@ -123,7 +123,7 @@ def on_local_dashboard(resolved: Resolved, url: str | None) -> Resolved:
     where 8265 is taken (by another Ray on the machine, say), the default address would submit
     every batch, the tenant's key with it, there."""
     batches = resolved.config.batches
-    if url is None or "dashboard_url" in batches.model_fields_set:
+    if url is None or batches.names_job_api:
         return resolved
     config = resolved.config.model_copy(update={"batches": batches.model_copy(update={"dashboard_url": url})})
     return dataclasses.replace(resolved, config=config)

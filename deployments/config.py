@@ -79,6 +79,11 @@ class BatchesConfig(Frozen):
     max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
 
+    @property
+    def names_job_api(self) -> bool:
+        """Whether the config names the job API (else `poolserve serve` uses its own Ray's)."""
+        return "dashboard_url" in self.model_fields_set
+
 
 class PoolserveConfig(Frozen):
     model: ModelConfig
@@ -383,7 +388,7 @@ def local_jobs_problem(resolved: Resolved) -> str | None:
     """Why the Batch API could not submit its jobs on a Ray that poolserve starts, if so: only
     the dashboard serves Ray's job API."""
     c = resolved.config
-    if resolved.batches_dir is None or c.ray.dashboard or "dashboard_url" in c.batches.model_fields_set:
+    if resolved.batches_dir is None or c.ray.dashboard or c.batches.names_job_api:
         return None
     return ("batches.dir turns the Batch API on, and each batch runs as a Ray job, but ray.dashboard is false: "
             "the Ray that poolserve starts would have no job API. Set ray.dashboard: true, or "
