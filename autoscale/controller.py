@@ -157,9 +157,12 @@ class Controller:
     # -- views -------------------------------------------------------------------
 
     def replica_stats(self, name: str) -> list[ReplicaStats]:
-        """The reports of its replicas that are fresh."""
+        return [s for _, s in self.replica_reports(name)]
+
+    def replica_reports(self, name: str) -> list[tuple[float, ReplicaStats]]:
+        """The fresh reports, each with when it arrived (this controller's clock)."""
         now, max_age = self._clock(), self._config.stats_max_age_s
-        return [s for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
+        return [(t, s) for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
 
     def snapshot(self, name: str) -> PoolSnapshot:
         return aggregate(self.replica_stats(name))
@@ -174,9 +177,8 @@ class Controller:
 
     def target(self, name: str) -> int | None:
         p = self._pools[name]
-        if (pinned := _pinned(p)) is not None:
-            return pinned
-        return None if p.policy is None else p.policy.target
+        pinned = _pinned(p)
+        return pinned if pinned is not None else p.policy.target if p.policy is not None else None
 
     def views(self) -> dict[str, PoolView]:
         now, max_age = self._clock(), self._config.stats_max_age_s

@@ -32,6 +32,7 @@ from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
 from infra.stats import counter_rate, percentile
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
+from pools.control import ReplicaStats
 from pools.llm import request_models
 from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Rejected
 
@@ -52,10 +53,37 @@ class NotNow(Exception):
 @dataclass
 class _Sample:
     t: float
-    tokens: int
     kv: float
     preemptions: int
     own_work: int
+
+
+class _Counters:
+    """Each replica's output-token counter at the times its reports arrived. Rates come from
+    these points, not from when the calibrator looked: reports land every `report_interval_s`,
+    so a chunk read between two looks held one report's tokens or two (with reports every
+    second and 1.5 s chunks, a steady engine looked 33% unsteady)."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, list[tuple[float, int]]] = {}
+        self._live: set[str] = set()
+
+    def add(self, reports: list[tuple[float, ReplicaStats]]) -> None:
+        self._live = {s.replica for _, s in reports}
+        for t, s in reports:
+            series = self._series.setdefault(s.replica, [])
+            if not series or t > series[-1][0]:
+                series.append((t, s.engine.generated_tokens))
+
+    def end(self) -> float | None:
+        """The latest time every live replica's counter is known at."""
+        return min((self._series[r][-1][0] for r in self._live), default=None)
+
+    def rate(self, a: float, b: float) -> float | None:
+        """Tokens per second over [a, b], summed over the live replicas; None unless each one's
+        reports cover it."""
+        rates = [counter_rate(self._series[r], a, b) for r in self._live]
+        return None if not rates or None in rates else sum(rates)
 
 
 class Calibrator:
@@ -138,40 +166,46 @@ class Calibrator:
             if self._clock() - since > WAIT_FOR_POOL_S:
                 raise NotNow(f"no replica applied the step's limit within {WAIT_FOR_POOL_S:g} s")
             await self._sleep(0.2)
-        lengths, results, samples = self._lengths(name), [], []
+        lengths, results, samples, counters = self._lengths(name), [], [], _Counters()
         start = self._clock()
         workers = [asyncio.get_running_loop().create_task(self._worker(name, lengths, results, i))
                    for i in range(seqs * len(reports))]
         try:
-            window, steady = await self._until_steady(name, cal, samples, start)
+            window, steady = await self._until_steady(name, cal, samples, counters, start)
         finally:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
-        return _row(seqs, results, samples, window, steady)
+        return _row(seqs, results, samples, counters, window, steady)
 
-    async def _until_steady(self, name: str, cal, samples: list[_Sample], start: float) -> tuple[tuple, bool]:
+    async def _until_steady(self, name: str, cal, samples: list[_Sample], counters: _Counters,
+                            start: float) -> tuple[tuple, bool]:
         """Sample the reports until the output rate over the last chunks holds within 10%."""
         chunks_needed = max(2, round(cal.min_measure_s / cal.check_s))
         measure_from = start + cal.warmup_s
         while True:
             await self._sleep(min(0.5, cal.check_s / 4))
-            now, reports = self._clock(), self._c.replica_stats(name)
-            samples.append(_Sample(now, sum(s.engine.generated_tokens for s in reports),
-                                   max((s.engine.kv_usage for s in reports), default=0.0),
+            now, timed = self._clock(), self._c.replica_reports(name)
+            reports = [s for _, s in timed]
+            counters.add(timed)
+            samples.append(_Sample(now, max((s.engine.kv_usage for s in reports), default=0.0),
                                    sum(s.engine.preemptions for s in reports), sum(s.gate.own_work for s in reports)))
             if samples[-1].own_work:
                 self._busy_at = now
                 raise Interrupted
-            if now < measure_from + chunks_needed * cal.check_s:
+            end = counters.end()
+            if end is None or end < measure_from + chunks_needed * cal.check_s:
+                if now - measure_from >= cal.cap_s:
+                    return (measure_from, now), False
                 continue
-            edges = [now - k * cal.check_s for k in range(chunks_needed, -1, -1)]
-            rates = [_rate(samples, a, b) for a, b in zip(edges, edges[1:])]
-            mean = sum(rates) / len(rates)
-            if mean > 0 and all(abs(r - mean) <= 0.1 * mean for r in rates):
-                return (edges[0], now), True
+            edges = [end - k * cal.check_s for k in range(chunks_needed, -1, -1)]
+            rates = [counters.rate(a, b) for a, b in zip(edges, edges[1:])]
+            if None not in rates:
+                mean = sum(rates) / len(rates)
+                if mean > 0 and all(abs(r - mean) <= 0.1 * mean for r in rates):
+                    return (edges[0], end), True
             if now - measure_from >= cal.cap_s:
-                return (measure_from, now), False
+                return (measure_from, end), False
 
     async def _worker(self, name: str, lengths: Lengths, results: list[Result], i: int) -> None:
         rng = random.Random(self._seed * 1000 + i)
@@ -223,19 +257,14 @@ class Calibrator:
                            **lengths.stats())
 
 
-def _rate(samples: list[_Sample], a: float, b: float) -> float:
-    """Engine tokens per second between a and b."""
-    return counter_rate([(s.t, s.tokens) for s in samples], a, b) or 0.0
-
-
 def _pcts(xs: list[float]) -> Percentiles:
     if not xs:
         return Percentiles(p50=0.0, p95=0.0, p99=0.0)
     return Percentiles(p50=percentile(xs, 50) * 1e3, p95=percentile(xs, 95) * 1e3, p99=percentile(xs, 99) * 1e3)
 
 
-def _row(seqs: int, results: list[Result], samples: list[_Sample], window: tuple[float, float],
-         steady: bool) -> LadderRow:
+def _row(seqs: int, results: list[Result], samples: list[_Sample], counters: _Counters,
+         window: tuple[float, float], steady: bool) -> LadderRow:
     a, b = window
     seconds = max(b - a, 1e-6)
     # latencies of the requests that completed in the window: in a steady closed loop they are
@@ -245,7 +274,7 @@ def _row(seqs: int, results: list[Result], samples: list[_Sample], window: tuple
     return LadderRow(
         max_active_seqs=seqs, requests=len(done), duration_s=round(seconds, 2), steady=steady and bool(done),
         req_per_s=len(done) / seconds, input_tok_per_s=sum(r.prompt_tokens for r in done) / seconds,
-        output_tok_per_s=_rate(samples, a, b), goodput_req_per_s=len(done) / seconds,
+        output_tok_per_s=counters.rate(a, b) or 0.0, goodput_req_per_s=len(done) / seconds,
         ttft_ms=_pcts([r.ttft for r in done if r.ttft is not None]),
         tpot_ms=_pcts([r.tpot for r in done if r.tpot is not None]),
         e2e_ms=_pcts([r.e2e for r in done]),

@@ -16,7 +16,6 @@ from autoscale.calibrate import build_profile
 from autoscale.ranges import RESWEEP_AFTER_S, PoolSpec
 from autoscale.selfcal import Calibrator
 from autoscale.store import ProfileStore
-from deployments.admin_client import AdminClient
 from infra.state import DirStore, MemoryStore
 from pools.config import CalibrationConfig
 from pools.control import ReplicaStats
@@ -41,10 +40,10 @@ def configured_profile():
                          KneeRule(), (), "2026-11-30")
 
 
-def spec(mode="auto", profile=True, sweep=(1, 2, 4, 8, 16, 32, 64, 128)) -> PoolSpec:
+def spec(mode="auto", profile=True, sweep=(1, 2, 4, 8, 16, 32, 64, 128), calibration=FAST) -> PoolSpec:
     return PoolSpec("p", CONFIGURED, 1.0, 0.1, 128, fallback=FALLBACK,
                     profile=configured_profile() if profile else None,
-                    calibration=FAST.model_copy(update={"mode": mode}), sweep=sweep, deployment="pool-p")
+                    calibration=calibration.model_copy(update={"mode": mode}), sweep=sweep, deployment="pool-p")
 
 
 def report(c: Controller, fp=FP, active=0, tokens=0, own=0, borrowed=0) -> object:
@@ -110,11 +109,12 @@ def test_a_configured_range_is_kept_or_calibrated(mode, state, allowed):
 
 class FakePool:
     """An engine whose iteration takes 20 + b ms for b sequences (the batching fixture's curve):
-    each request streams 16 tokens. It reports to the controller every 50 ms; `own` requests of
-    the pool's own traffic can be made to appear."""
+    each request streams 16 tokens. It reports to the controller every `every` seconds; `own`
+    requests of the pool's own traffic can be made to appear."""
 
-    def __init__(self, c: Controller) -> None:
+    def __init__(self, c: Controller, every: float = 0.05) -> None:
         self.c, self.active, self.tokens, self.own, self.seen_steps, self.serving = c, 0, 0.0, 0, [], []
+        self.every = every
 
     def handle(self, name):
         return SimpleNamespace(generate=SimpleNamespace(remote=lambda call: self._stream(call)))
@@ -132,34 +132,38 @@ class FakePool:
 
     async def report_forever(self) -> None:
         while True:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(self.every)
             b = self.active
-            self.tokens += 0.05 * (1000 * b / (20 + b))
+            self.tokens += self.every * (1000 * b / (20 + b))
             status = self.c.status("p")
             self.seen_steps.append(self.c.allowed("p").high if status.pinned else None)
             self.serving.append(status.serving_range)
             report(self.c, FP, active=b, tokens=int(self.tokens), own=self.own, borrowed=b)
 
 
-def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it(tmp_path):
-    store = ProfileStore(DirStore(tmp_path))
-
+def calibrate_itself(store: ProfileStore, s: PoolSpec, every: float = 0.05) -> tuple[Controller, FakePool]:
+    """One background sweep of the fake pool, on virtual time."""
     async def go():
         clock = asyncio.get_running_loop().time
-        c = controller(spec(sweep=(1, 4, 16, 64, 128)), store, clock)
-        pool = FakePool(c)
+        c = controller(s, store, clock)
+        pool = FakePool(c, every)
         report(c, FP)
         assert c.needs_sweep() == ["p"]
         reporter = asyncio.get_running_loop().create_task(pool.report_forever())
         cal = Calibrator(c, pool.handle, max_model_len=2048, clock=clock)
         try:
-            await asyncio.wait_for(cal.step(), 60)
+            await asyncio.wait_for(cal.step(), 600)  # virtual seconds: bounds a hang only
         finally:
             reporter.cancel()
         return c, pool
 
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        c, pool = runner.run(go())
+        return runner.run(go())
+
+
+def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it(tmp_path):
+    store = ProfileStore(DirStore(tmp_path))
+    c, pool = calibrate_itself(store, spec(sweep=(1, 4, 16, 64, 128)))
     status = c.status("p")
     assert status.calibration.state == "profile" and "sweep of this set-up" in status.calibration.source
     assert status.safe_range == (1, 64) and status.pinned is None  # the knee of 20 + b ms: 128 is past it
@@ -194,29 +198,6 @@ def test_own_traffic_stops_a_step_and_the_pool_serves_at_its_fallback_meanwhile(
     c, unpinned = asyncio.run(go())
     assert (unpinned.low, unpinned.high) == (1, 16)  # the fallback range at once
     assert c.calibration("p").state == "profile"  # the step was measured again later
-
-
-def test_a_pin_is_in_force_only_once_every_replica_echoes_its_epoch(monkeypatch):
-    """`poolserve calibrate` measures a step only after its pin is applied. A report made before
-    the pin (here: every report until the third poll) must not count, whatever it shows."""
-    c = controller(spec())
-    report(c, FP)
-    polls = []
-
-    def call(self, method, path, **kw):
-        if method == "POST":
-            return c.pin("p", kw["json"]["max_active_seqs"], kw["json"]["calibrating"]).model_dump(mode="json")
-        polls.append(path)
-        if len(polls) == 3:
-            report(c, FP)  # the replica's first report after the pin echoes its epoch
-        return {"p": c.status("p").model_dump(mode="json")}
-
-    monkeypatch.setattr(AdminClient, "_call", call)
-    monkeypatch.setattr("deployments.admin_client.time.sleep", lambda s: None)
-    before = c.status("p").epoch
-    result = AdminClient("http://admin", "k").pin("p", 4, calibrating=True)
-    assert result.epoch == before + 1 and len(polls) == 3
-    assert c.status("p").applied(result.epoch) and not c.status("p").applied(result.epoch + 1)
 
 
 def test_unsteady_steps_are_measured_again_once(tmp_path):

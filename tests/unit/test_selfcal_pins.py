@@ -7,6 +7,7 @@ import time
 
 from autoscale.selfcal import Calibrator
 from autoscale.store import ProfileStore
+from deployments.admin_client import AdminClient
 from infra.state import MemoryStore
 from tests.unit.test_selfcal import FP, FakePool, controller, report, spec
 
@@ -34,3 +35,26 @@ def test_own_traffic_between_two_steps_is_not_held_at_the_last_steps_pin():
 
     pinned, allowed = asyncio.run(go())
     assert pinned is None and (allowed.low, allowed.high) == (1, 16)  # its fallback range
+
+
+def test_a_pin_is_in_force_only_once_every_replica_echoes_its_epoch(monkeypatch):
+    """`poolserve calibrate` measures a step only after its pin is applied. A report made before
+    the pin (here: every report until the third poll) must not count, whatever it shows."""
+    c = controller(spec())
+    report(c, FP)
+    polls = []
+
+    def call(self, method, path, **kw):
+        if method == "POST":
+            return c.pin("p", kw["json"]["max_active_seqs"], kw["json"]["calibrating"]).model_dump(mode="json")
+        polls.append(path)
+        if len(polls) == 3:
+            report(c, FP)  # the replica's first report after the pin echoes its epoch
+        return {"p": c.status("p").model_dump(mode="json")}
+
+    monkeypatch.setattr(AdminClient, "_call", call)
+    monkeypatch.setattr("deployments.admin_client.time.sleep", lambda s: None)
+    before = c.status("p").epoch
+    result = AdminClient("http://admin", "k").pin("p", 4, calibrating=True)
+    assert result.epoch == before + 1 and len(polls) == 3
+    assert c.status("p").applied(result.epoch) and not c.status("p").applied(result.epoch + 1)
