@@ -33,7 +33,6 @@ from autoscale.service import ControllerService
 from deployments.config import Resolved, ResolvedPool, load, parse, resolve
 from infra.handles import Lookup
 from infra.state import DirStore, GcsStore
-from pools.config import PoolConfig
 from pools.gate import Ceilings, QueuePolicy
 from pools.kv_budget import GIB
 from pools.types import PriorityClass
@@ -64,9 +63,9 @@ def replica_class(deployment: str, app: str = APP_NAME) -> str:
     return f"ServeReplica:{pool_app_name(pool, app) if pool != deployment else app}:{deployment}"
 
 
-def fingerprint_base(resolved: Resolved, pool: PoolConfig) -> dict[str, Any]:
-    m = resolved.config.model
-    return {"model": m.id, "dtype": m.dtype, "quantization": m.quantization or "none",
+def fingerprint_base(resolved: Resolved, rp: ResolvedPool) -> dict[str, Any]:
+    m, pool = resolved.config.model, rp.config
+    return {"model": m.id, "dtype": rp.dtype, "quantization": m.quantization or "none",
             "max_model_len": m.max_model_len, "max_num_seqs": pool.engine.max_num_seqs,
             "max_num_batched_tokens": pool.engine.max_num_batched_tokens, "kv_cache_gb": pool.engine.kv_cache_gb}
 
@@ -145,7 +144,7 @@ def llm_config(resolved: Resolved, rp: ResolvedPool, *, scheduling_policy: str =
 
     m, e = resolved.config.model, rp.config.engine
     engine_kwargs = {
-        "dtype": m.dtype, "max_model_len": m.max_model_len, "max_num_seqs": e.max_num_seqs,
+        "dtype": rp.dtype, "max_model_len": m.max_model_len, "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens, "enable_chunked_prefill": e.enable_chunked_prefill,
         "scheduling_policy": scheduling_policy, "enforce_eager": e.enforce_eager,
         "kv_cache_memory_bytes": int(e.kv_cache_gb * GIB), "disable_log_stats": False,
@@ -210,7 +209,7 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
         report_interval_s=a.report_interval_s,
         latency_window_s=a.latency_window_s,
         stream_batching_ms=c.stream_batching_ms,
-        fingerprint_base=fingerprint_base(resolved, c),
+        fingerprint_base=fingerprint_base(resolved, rp),
         nice=c.replicas.nice,
         hardware=c.calibration.hardware,
     )

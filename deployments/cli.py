@@ -35,7 +35,7 @@ def _cmd_validate(args) -> int:
         src = f"profile {rp.config.limits.profile}" if rp.profile else "manual range (uncalibrated)"
         kv = f", KV {rp.kv_capacity_tokens} tokens" if rp.kv_capacity_tokens else ""
         print(f"pool {name}: {rp.config.route_prefix}, safe range [{r.low}, {r.high}] from {src}, "
-              f"start {rp.start_seqs}{kv}")
+              f"start {rp.start_seqs}{kv}, dtype {rp.dtype}")
     if not resolved.config.ray.address and (problem := local_jobs_problem(resolved)):
         print(f"warning: `poolserve serve` refuses it ({problem})")  # `serve run` on a cluster may not
     print(f"{args.config}: OK")
@@ -58,7 +58,8 @@ def _cmd_hash_key(args) -> int:
 
 
 def _cmd_kv_budget(args) -> int:
-    from pools.kv_budget import GIB, KVBudget, ModelShape
+    from pools.engine import cpu_native_bf16
+    from pools.kv_budget import GIB, KVBudget, ModelShape, checkpoint_dtype, engine_dtype
 
     if args.config:
         from deployments.config import load
@@ -68,14 +69,17 @@ def _cmd_kv_budget(args) -> int:
         model_dir, gib = Path(resolved.model_source), pool.config.engine.kv_cache_gb
         block = pool.config.engine.block_size or 16
         lengths = [pool.config.traffic.p50_tokens, pool.config.traffic.p90_tokens, pool.config.traffic.p99_tokens]
-        dtype = resolved.config.model.dtype
+        dtype = pool.dtype
     else:
-        model_dir, gib, block, dtype = Path(args.model_dir), args.kv_gb, args.block_size, args.dtype
+        model_dir, gib, block = Path(args.model_dir), args.kv_gb, args.block_size
         lengths = [int(x) for x in args.lengths.split(",")]
-    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()), dtype)
+    hf = json.loads((model_dir / "config.json").read_text())
+    if not args.config:  # as a CPU pool on this machine would ask for it
+        dtype = engine_dtype(args.dtype, checkpoint_dtype(hf), cpu_native_bf16())
+    shape = ModelShape.from_hf_config(hf, dtype)
     kv = KVBudget(shape, int(gib * GIB), block)
     print(f"model {model_dir}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} head_dim x "
-          f"{shape.bytes_per_element} bytes")
+          f"{shape.bytes_per_element} bytes (dtype {dtype})")
     print(f"KV bytes per token: {shape.bytes_per_token}")
     print(f"KV budget {gib} GiB = {kv.capacity_tokens} tokens ({kv.capacity_blocks} blocks of {block})")
     for label, n in zip(("p50", "p90", "p99"), lengths):
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir")
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="model.dtype, resolved as for a CPU pool on this machine")
     p.add_argument("--lengths", default="512,1024,2048", help="p50,p90,p99 tokens per sequence")
     p.set_defaults(fn=_cmd_kv_budget)
 

@@ -8,6 +8,7 @@ before raising, so `poolserve validate` shows a whole list at once. Relative pat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pydantic import Field, ValidationError, field_validator
 from autoscale.config import AutoscaleConfig
 from autoscale.profile import Profile, load_profile
 from pools.config import POOL_NAME, Frozen, ModelConfig, PoolConfig
+from pools.engine import pool_dtype
 from pools.kv_budget import GIB, KVBudget, ModelShape
 from pools.types import SafeRange
 from router.auth import KEY_FIX
@@ -138,6 +140,7 @@ class ResolvedPool:
     kv_capacity_tokens: int | None
     fallback: SafeRange  # where a pool with no profile for its set-up runs: the ladder up to `start`
     sweep: tuple[int, ...] = ()  # the ladder a calibration of this pool steps through
+    dtype: str = "auto"  # what its engines are asked for (`engine_dtype`)
 
 
 @dataclass(frozen=True)
@@ -211,11 +214,9 @@ def _path(base: Path, p: str) -> Path:
     return q if q.is_absolute() else base / q
 
 
-def _model_shape(config: PoolserveConfig, source: Path) -> ModelShape | None:
+def _hf_config(source: Path) -> dict | None:
     cfg = source / "config.json"
-    if not cfg.is_file():
-        return None
-    return ModelShape.from_hf_config(json.loads(cfg.read_text()), config.model.dtype)
+    return json.loads(cfg.read_text()) if source.exists() and cfg.is_file() else None
 
 
 # Keys poolserve itself ships, in examples, the development config and the tests: anyone can
@@ -364,16 +365,20 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
                                     "give each pool its own prefix (not /v1)"))
     source_path = _path(base_dir, config.model.source)
     model_source = str(source_path) if source_path.exists() else config.model.source
-    shape = _model_shape(config, source_path) if source_path.exists() else None
-    if shape is None:
+    hf = _hf_config(source_path)
+    if hf is None:
         warnings.append(f"model.source {config.model.source!r} has no local config.json: the KV budget check "
                         "is skipped (it runs where the model directory exists)")
     pools = {}
     for name, p in config.pools.items():
+        dtype, slow = pool_dtype(config.model.dtype, p.engine.accelerator, hf)
+        if slow and slow not in warnings:
+            warnings.append(slow)
+        shape = ModelShape.from_hf_config(hf, dtype) if hf is not None else None
         kv = KVBudget(shape, int(p.engine.kv_cache_gb * GIB), p.engine.block_size or 16) if shape else None
         rp = _pool_range(config, name, p, base_dir, kv, problems)
         if rp is not None:
-            pools[name] = rp
+            pools[name] = dataclasses.replace(rp, dtype=dtype)
     if config.router.admin_key_sha256 is None and config.router.keys_dir is None:
         warnings.append("router.admin_key_sha256 is not set: the admin API is disabled")
     if problems:

@@ -44,7 +44,10 @@ class ModelConfig(Frozen):
     id: str = Field(min_length=1, description="Model id clients send as `model`.")
     source: str = Field(min_length=1, description="Hugging Face model directory or hub id.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="Weights and activations; float32 on CPUs without bf16 (bf16 dies with SIGILL here).")
+        "auto", description="Weights and activations. auto: as vLLM picks (a 16-bit checkpoint's own dtype, a "
+                            "float32 one at bfloat16), except that a CPU pool keeps a float32 checkpoint at float32 "
+                            "where the CPU has no bf16 instructions (vLLM would run bf16 in software: half the "
+                            "speed, measured on an AVX2 host); `poolserve validate` warns of bfloat16 there.")
     quantization: str | None = Field(None, description="vLLM quantization method, e.g. awq, fp8.")
     max_model_len: int = Field(ge=16, le=1 << 20, description="Context length: prompt + output tokens.")
 

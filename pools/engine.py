@@ -19,8 +19,9 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, MutableMapping, Protocol
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, MutableMapping, Protocol
 
+from pools.kv_budget import checkpoint_dtype, engine_dtype, runs_at
 from pools.types import EngineStats, LatencySample, PoolCall
 
 
@@ -154,6 +155,45 @@ def drop_engine_overrides(environ: MutableMapping[str, str] = os.environ) -> lis
     the shell that started Ray: a value there sized every pool's cache, not `engine.kv_cache_gb`
     (which the profile's fingerprint names). An empty value is no fix: vLLM's workers parse it."""
     return [name for name in _ENGINE_OVERRIDES if environ.pop(name, None) is not None]
+
+
+def native_bf16(cpuinfo: str, machine: str) -> bool | None:
+    """Whether a CPU computes bf16 in hardware, from `/proc/cpuinfo`'s text: AVX512-BF16 or AMX
+    on x86, the bf16 feature on Arm; None for another architecture, or no flags to read."""
+    words: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            words.update(value.split())
+    if not words:
+        return None
+    if machine in ("x86_64", "AMD64"):
+        return bool(words & {"avx512_bf16", "amx_bf16"})
+    if machine in ("aarch64", "arm64"):
+        return "bf16" in words
+    return None
+
+
+@functools.cache
+def cpu_native_bf16() -> bool | None:
+    """`native_bf16` of this machine's CPU."""
+    try:
+        return native_bf16(Path("/proc/cpuinfo").read_text(), platform.machine())
+    except OSError:
+        return None
+
+
+def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None) -> tuple[str, str | None]:
+    """What a pool's engines are asked for (`kv_budget.engine_dtype` on this machine's CPU), and
+    a warning where they would run bfloat16 in software."""
+    native = cpu_native_bf16() if accelerator == "cpu" else None
+    checkpoint = checkpoint_dtype(hf_config) if hf_config is not None else None
+    dtype = engine_dtype(requested, checkpoint, native)
+    if native is False and checkpoint is not None and runs_at(dtype, checkpoint) == "bfloat16":
+        return dtype, (f"model.dtype {requested!r} runs this model at bfloat16 on a CPU without bf16 instructions, "
+                       "in software (the tiny model ran at half its float32 speed on such a host): set "
+                       "model.dtype: float32 if the memory holds the weights at twice the size")
+    return dtype, None
 
 
 def hardware_name() -> str:

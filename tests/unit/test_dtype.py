@@ -1,0 +1,66 @@
+"""Which dtype a pool's engines run at, on CPUs with and without bf16 instructions: vLLM's
+`auto` runs a float32 checkpoint as bfloat16 even where the CPU has no bf16 (the tiny model then
+made 370 output tok/s on an AVX2 host against 762 at float32), and the KV budget must count the
+bytes the engine really stores."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.app import fingerprint_base, llm_config
+from pools.engine import native_bf16
+from pools.kv_budget import engine_dtype, runs_at
+from tests.unit.test_config import base, check, model_dir, set_path  # noqa: F401 - a fixture
+
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n"
+SAPPHIRE = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd atomics\n"
+
+
+@pytest.mark.parametrize("cpuinfo, machine, native", [
+    (AVX2, "x86_64", False), (SAPPHIRE, "x86_64", True), (GRAVITON3, "aarch64", True), (GRAVITON2, "aarch64", False),
+    ("flags: whatever\n", "ppc64le", None), ("", "x86_64", None),  # another architecture; nothing to read
+])
+def test_native_bf16_is_read_from_the_cpus_flags(cpuinfo, machine, native):
+    assert native_bf16(cpuinfo, machine) is native
+
+
+@pytest.mark.parametrize("requested, checkpoint, native, asked, runs", [
+    ("auto", "float32", False, "float32", "float32"),  # the one change: no bf16 in software
+    ("auto", "float32", True, "auto", "bfloat16"),
+    ("auto", "float32", None, "auto", "bfloat16"),  # a GPU, or a CPU whose flags are unknown: vLLM decides
+    ("auto", "bfloat16", False, "auto", "bfloat16"),  # float32 would double the weights' memory
+    ("auto", "float16", False, "auto", "float16"),
+    ("bfloat16", "float32", False, "bfloat16", "bfloat16"),  # configured: kept
+    ("auto", None, False, "auto", None),  # no config.json here: vLLM decides where the model is
+])
+def test_auto_is_resolved_only_where_vllm_would_emulate_bf16(requested, checkpoint, native, asked, runs):
+    assert engine_dtype(requested, checkpoint, native) == asked
+    if checkpoint is not None:
+        assert runs_at(asked, checkpoint) == runs
+
+
+@pytest.mark.parametrize("native, accelerator, asked, kv_tokens", [
+    (False, "cpu", "float32", 524_288),  # 4 bytes a value, as the engine stores them
+    (True, "cpu", "auto", 1_048_576),  # bfloat16: twice the tokens in the same GiB
+    (False, "gpu", "auto", 1_048_576),  # the driver's CPU says nothing of a GPU's
+])
+def test_a_pool_asks_for_its_dtype_and_counts_its_kv_cache_at_it(model_dir, monkeypatch, native, accelerator,
+                                                                  asked, kv_tokens):
+    monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: native)
+    data = set_path(set_path(base(), "model.dtype", "auto"), "pools.online-chat.engine.accelerator", accelerator)
+    r = check(data, model_dir)
+    rp = r.pools["online-chat"]
+    assert rp.dtype == asked and rp.kv_capacity_tokens == kv_tokens
+    assert llm_config(r, rp).engine_kwargs["dtype"] == asked
+    assert fingerprint_base(r, rp)["dtype"] == asked  # a profile names what the engine ran at
+    assert not [w for w in r.warnings if "bf16 instructions" in w]
+
+
+def test_a_bfloat16_model_on_a_cpu_without_bf16_is_served_and_warned_of(model_dir, monkeypatch):
+    monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: False)
+    r = check(set_path(base(), "model.dtype", "bfloat16"), model_dir)
+    assert {rp.dtype for rp in r.pools.values()} == {"bfloat16"}
+    slow = [w for w in r.warnings if "bf16 instructions" in w]
+    assert len(slow) == 1 and "model.dtype: float32" in slow[0]
