@@ -16,9 +16,14 @@ PriorityName = Literal["interactive", "standard", "batch"]
 class QuotaConfig(Frozen):
     """Per-tenant limits, enforced before work starts. `None` means unlimited."""
 
-    requests_per_min: int | None = Field(None, ge=1)
-    tokens_per_min: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
+    requests_per_min: int | None = Field(None, ge=1, description="Requests a minute (a token bucket).")
+    tokens_per_min: int | None = Field(
+        None, ge=1, description="Tokens a minute, charged before work starts as every prompt token plus `n` x "
+                                "`max_tokens`, then settled by the real usage.")
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Requests in flight at once, charged before the body is read: a request of `n` "
+                                "choices is one (its `n` sequences are paid for in tokens, and the pool's gate "
+                                "counts them as `n`).")
 
 
 class TenantConfig(Frozen):
