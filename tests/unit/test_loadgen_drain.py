@@ -9,6 +9,7 @@ import pytest
 from infra import loadgen
 from infra.loadgen import Target, Window, open_loop
 from infra.traffic import synthetic_lengths
+from tests.unit import virtual_time
 
 
 def _server(slow_after: int):
@@ -47,10 +48,12 @@ def fake(monkeypatch):
     return install
 
 
-def test_requests_running_past_the_drain_are_cut_off_as_timeouts(fake):
+def test_requests_running_past_the_drain_are_cut_off_as_timeouts(fake, monkeypatch):
+    """On virtual time: seed 1's last arrival is at 0.989 s, and a real loop 11 ms late started
+    it after the window, out of the measured requests."""
     fake(slow_after=5)
-    run = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 1.0), rate=20,
-                                seed=1, drain_s=0.5))
+    run = virtual_time.run(lambda: open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 1.0),
+                                             rate=20, seed=1, drain_s=0.5), monkeypatch, loadgen)
     summary = run.summary().to_json()
     hung = [r for r in run.results if r.error == "timeout"]
     assert summary["completed"] == 5 and len(hung) == len(run.results) - 5 > 0
@@ -61,9 +64,10 @@ def test_requests_running_past_the_drain_are_cut_off_as_timeouts(fake):
     assert summary["errors"] == {"200: timeout": len(hung)}  # every failure named, with its status
 
 
-def test_without_a_drain_everything_is_awaited(fake):
+def test_without_a_drain_everything_is_awaited(fake, monkeypatch):
     fake(slow_after=10_000)
-    run = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 0.5), rate=20, seed=1))
+    run = virtual_time.run(lambda: open_loop(Target("http://x/v1", "k"), synthetic_lengths(8, 2), Window(0, 0.5),
+                                             rate=20, seed=1), monkeypatch, loadgen)
     assert run.results and all(r.ok and r.ttft is not None for r in run.results)
 
 
@@ -79,8 +83,9 @@ def test_a_prompt_seed_changes_the_words_and_keeps_the_arrivals_and_lengths(monk
 
         monkeypatch.setattr(loadgen, "_client", lambda target, n, timeout_s=600: httpx.AsyncClient(
             transport=httpx.MockTransport(handler), timeout=timeout_s))
-        r = asyncio.run(open_loop(Target("http://x/v1", "k"), synthetic_lengths(16, 8, 0.5, seed=3), Window(0, 0.6),
-                                  rate=30, seed=1, prompt_seed=prompt_seed))
+        r = virtual_time.run(lambda: open_loop(Target("http://x/v1", "k"), synthetic_lengths(16, 8, 0.5, seed=3),
+                                               Window(0, 0.6), rate=30, seed=1, prompt_seed=prompt_seed),
+                             monkeypatch, loadgen)
         t0 = min(x.scheduled for x in r.results)
         return ([round(x.scheduled - t0, 6) for x in r.results], sorted(b["max_tokens"] for b in bodies),
                 {b["prompt"] for b in bodies})

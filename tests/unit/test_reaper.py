@@ -23,8 +23,10 @@ engine = subprocess.Popen(["VLLM::EngineCore", "-c",
     "import subprocess, time; subprocess.Popen(['VLLM::Worker', '-c', 'import time; time.sleep(120)'],"
     f" executable={sys.executable!r}); time.sleep(120)"], executable=sys.executable)
 other = subprocess.Popen(sleeper)  # not an engine: left alone
-time.sleep(1.0)
 from pools import reaper
+deadline = time.monotonic() + 60
+while not reaper._children().get(engine.pid) and time.monotonic() < deadline:  # its worker started
+    time.sleep(0.05)
 watcher = reaper.watch()
 print(engine.pid, other.pid, watcher.pid if watcher else 0, flush=True)
 time.sleep(120)

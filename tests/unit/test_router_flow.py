@@ -12,6 +12,7 @@ import pytest
 from pools.control import PoolView
 from router.ingress import make_app
 from router.quota import Quota
+from tests.unit import virtual_time
 from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router, scope
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
@@ -69,7 +70,9 @@ def test_a_pool_failing_after_a_whole_answer_began_is_a_503_not_a_500():
 
 def test_a_slow_body_times_out_and_holds_a_concurrency_slot_meanwhile():
     """The body is read after the request's slot is charged: a tenant at max_concurrent 1 that
-    uploads slowly cannot start a second request meanwhile; the slow one ends in 408."""
+    uploads slowly cannot start a second request meanwhile; the slow one ends in 408. On virtual
+    time: a host slow enough to spend the 0.3 s before the second request was charged let the
+    slow one time out first."""
     async def go():
         router, _ = make_router(body_timeout_s=0.3)
         app = make_app()
@@ -95,7 +98,7 @@ def test_a_slow_body_times_out_and_holds_a_concurrency_slot_meanwhile():
         await slow
         return messages[0]["status"], second, router
 
-    status, second, router = asyncio.run(go())
+    status, second, router = virtual_time.run(go)
     assert status == 408
     assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_quota_exceeded"
     assert books_closed(router)

@@ -21,6 +21,7 @@ from pools.config import CalibrationConfig
 from pools.control import ReplicaStats
 from pools.types import Admitted, EngineStats, Finished, GateStats, LatencySample, SafeRange, Usage
 from tests.unit.knee_fixtures import batching
+from tests.unit.virtual_time import run
 
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 CONFIGURED = SafeRange(LADDER, 1, 8, 100, 100_000)
@@ -62,24 +63,6 @@ def limits_allowed(c):
 
 def controller(s: PoolSpec, profiles: ProfileStore | None = None, clock=time.monotonic) -> Controller:
     return Controller({"p": s}, AutoscaleConfig(), clock, profiles=profiles)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock jumps to its next timer whenever nothing is ready to run: the
-    fake engine's iterations take 20 + b ms on any host, however busy (on a loaded CI host the
-    real clock's late wake-ups broke a step's P99 and moved the knee)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._now = 0.0
-
-    def time(self) -> float:
-        return self._now
-
-    def _run_once(self) -> None:
-        if not self._ready and self._scheduled:
-            self._now = max(self._now, self._scheduled[0].when())
-        super()._run_once()
 
 
 @pytest.mark.parametrize("mode, fp, state, allowed", [
@@ -157,8 +140,7 @@ def calibrate_itself(store: ProfileStore, s: PoolSpec, every: float = 0.05) -> t
             reporter.cancel()
         return c, pool
 
-    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        return runner.run(go())
+    return run(go)
 
 
 def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it(tmp_path):
@@ -178,11 +160,12 @@ def test_a_pool_without_a_profile_calibrates_itself_and_the_next_start_reuses_it
 
 def test_own_traffic_stops_a_step_and_the_pool_serves_at_its_fallback_meanwhile(tmp_path):
     async def go():
-        c = controller(spec(sweep=(1, 4)), ProfileStore(MemoryStore()))
+        clock = asyncio.get_running_loop().time
+        c = controller(spec(sweep=(1, 4)), ProfileStore(MemoryStore()), clock)
         pool = FakePool(c)
         report(c, FP)
         reporter = asyncio.get_running_loop().create_task(pool.report_forever())
-        cal = asyncio.get_running_loop().create_task(Calibrator(c, pool.handle, 2048).step())
+        cal = asyncio.get_running_loop().create_task(Calibrator(c, pool.handle, 2048, clock=clock).step())
         while not c.status("p").pinned:
             await asyncio.sleep(0.01)
         pool.own = 3  # chat arrives during the first step
@@ -195,7 +178,7 @@ def test_own_traffic_stops_a_step_and_the_pool_serves_at_its_fallback_meanwhile(
         reporter.cancel()
         return c, unpinned
 
-    c, unpinned = asyncio.run(go())
+    c, unpinned = run(go)
     assert (unpinned.low, unpinned.high) == (1, 16)  # the fallback range at once
     assert c.calibration("p").state == "profile"  # the step was measured again later
 
