@@ -85,6 +85,14 @@ class _Counters:
         rates = [counter_rate(self._series[r], a, b) for r in self._live]
         return None if not rates or None in rates else sum(rates)
 
+    def covered(self, a: float, b: float) -> tuple[float, float]:
+        """The part of [a, b] that every live replica's reports cover ([a, b] where none does):
+        a step that hit its cap still reports the rate it had."""
+        if not self._live:
+            return a, b
+        lo, hi = max([a] + [self._series[r][0][0] for r in self._live]), min(b, self.end())
+        return (lo, hi) if hi > lo else (a, b)
+
 
 class Calibrator:
     def __init__(self, controller: Controller, handle: Callable[[str], Any], max_model_len: int,
@@ -196,7 +204,7 @@ class Calibrator:
             end = counters.end()
             if end is None or end < measure_from + chunks_needed * cal.check_s:
                 if now - measure_from >= cal.cap_s:
-                    return (measure_from, now), False
+                    return counters.covered(measure_from, now), False
                 continue
             edges = [end - k * cal.check_s for k in range(chunks_needed, -1, -1)]
             rates = [counters.rate(a, b) for a, b in zip(edges, edges[1:])]
@@ -205,7 +213,7 @@ class Calibrator:
                 if mean > 0 and all(abs(r - mean) <= 0.1 * mean for r in rates):
                     return (edges[0], end), True
             if now - measure_from >= cal.cap_s:
-                return (measure_from, end), False
+                return counters.covered(measure_from, now), False
 
     async def _worker(self, name: str, lengths: Lengths, results: list[Result], i: int) -> None:
         rng = random.Random(self._seed * 1000 + i)

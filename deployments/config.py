@@ -371,7 +371,7 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
                         "is skipped (it runs where the model directory exists)")
     pools = {}
     for name, p in config.pools.items():
-        dtype, slow = pool_dtype(config.model.dtype, p.engine.accelerator, hf)
+        dtype, slow = pool_dtype(config.model.dtype, p.engine.accelerator, hf, config.model.quantization)
         if slow and slow not in warnings:
             warnings.append(slow)
         shape = ModelShape.from_hf_config(hf, dtype) if hf is not None else None

@@ -47,7 +47,9 @@ class ModelConfig(Frozen):
         "auto", description="Weights and activations. auto: as vLLM picks (a 16-bit checkpoint's own dtype, a "
                             "float32 one at bfloat16), except that a CPU pool keeps a float32 checkpoint at float32 "
                             "where the CPU has no bf16 instructions (vLLM would run bf16 in software: half the "
-                            "speed, measured on an AVX2 host); `poolserve validate` warns of bfloat16 there.")
+                            "speed, measured on an AVX2 host). Decided where the config is resolved, from the "
+                            "model directory's config.json (not for a hub id or a quantized model) and that "
+                            "machine's CPU; `poolserve validate` prints it, and warns of bfloat16 without bf16.")
     quantization: str | None = Field(None, description="vLLM quantization method, e.g. awq, fp8.")
     max_model_len: int = Field(ge=16, le=1 << 20, description="Context length: prompt + output tokens.")
 

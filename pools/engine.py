@@ -183,13 +183,15 @@ def cpu_native_bf16() -> bool | None:
         return None
 
 
-def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None) -> tuple[str, str | None]:
+def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None,
+               quantization: str | None = None) -> tuple[str, str | None]:
     """What a pool's engines are asked for (`kv_budget.engine_dtype` on this machine's CPU), and
-    a warning where they would run bfloat16 in software."""
+    a warning where they would run bfloat16 in software. A quantized model's dtype is left to
+    vLLM: its kernels take 16-bit activations only."""
     native = cpu_native_bf16() if accelerator == "cpu" else None
-    checkpoint = checkpoint_dtype(hf_config) if hf_config is not None else None
+    checkpoint = checkpoint_dtype(hf_config) if hf_config is not None and not quantization else None
     dtype = engine_dtype(requested, checkpoint, native)
-    if native is False and checkpoint is not None and runs_at(dtype, checkpoint) == "bfloat16":
+    if native is False and (dtype == "bfloat16" or checkpoint is not None and runs_at(dtype, checkpoint) == "bfloat16"):
         return dtype, (f"model.dtype {requested!r} runs this model at bfloat16 on a CPU without bf16 instructions, "
                        "in software (the tiny model ran at half its float32 speed on such a host): set "
                        "model.dtype: float32 if the memory holds the weights at twice the size")

@@ -18,18 +18,25 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
 GIB = 1 << 30
 
 
-def checkpoint_dtype(config: Mapping) -> str:
-    """The dtype a Hugging Face `config.json` names (float32 where it names none, as vLLM reads it)."""
-    return str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+def checkpoint_dtype(config: Mapping) -> str | None:
+    """The dtype a Hugging Face `config.json` names (or its text model's); None where it names
+    none (vLLM then reads the weights' headers) or the model is quantized (its kernels decide)."""
+    if config.get("quantization_config"):
+        return None
+    for c in (config, config.get("text_config") or {}):
+        if named := c.get("torch_dtype") or c.get("dtype"):
+            return str(named).removeprefix("torch.")
+    return None
 
 
-def runs_at(dtype: str, checkpoint: str) -> str:
+def runs_at(dtype: str, checkpoint: str | None) -> str:
     """What vLLM runs a model at when asked for `dtype`: `auto` keeps a 16-bit checkpoint's
     dtype and downcasts a float32 one to bfloat16 (vLLM 0.29 does so on CPUs too; the tiny
-    float32 model ran as bfloat16 on an AVX2 host)."""
+    float32 model ran as bfloat16 on an AVX2 host); a checkpoint not known here runs at 16 bits
+    either way."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if checkpoint in ("float32", "float") else checkpoint
+    return "bfloat16" if checkpoint in (None, "float32", "float") else checkpoint
 
 
 def engine_dtype(requested: str, checkpoint: str | None, native_bf16: bool | None) -> str:

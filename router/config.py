@@ -19,7 +19,8 @@ class QuotaConfig(Frozen):
     requests_per_min: int | None = Field(None, ge=1, description="Requests a minute (a token bucket).")
     tokens_per_min: int | None = Field(
         None, ge=1, description="Tokens a minute, charged before work starts as every prompt token plus `n` x "
-                                "`max_tokens`, then settled by the real usage.")
+                                "`max_tokens` (unset: the rest of the context for chat, 16 for completions), then "
+                                "settled by the real usage.")
     max_concurrent: int | None = Field(
         None, ge=1, description="Requests in flight at once, charged before the body is read: a request of `n` "
                                 "choices is one (its `n` sequences are paid for in tokens, and the pool's gate "

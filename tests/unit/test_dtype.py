@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from deployments.app import fingerprint_base, llm_config
-from pools.engine import native_bf16
-from pools.kv_budget import engine_dtype, runs_at
+from pools.engine import native_bf16, pool_dtype
+from pools.kv_budget import checkpoint_dtype, engine_dtype, runs_at
 from tests.unit.test_config import base, check, model_dir, set_path  # noqa: F401 - a fixture
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n"
@@ -64,3 +64,25 @@ def test_a_bfloat16_model_on_a_cpu_without_bf16_is_served_and_warned_of(model_di
     assert {rp.dtype for rp in r.pools.values()} == {"bfloat16"}
     slow = [w for w in r.warnings if "bf16 instructions" in w]
     assert len(slow) == 1 and "model.dtype: float32" in slow[0]
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"torch_dtype": "float32"}, "float32"), ({"torch_dtype": "torch.bfloat16"}, "bfloat16"),
+    ({"dtype": "float16"}, "float16"),  # newer transformers write `dtype`
+    ({"text_config": {"torch_dtype": "bfloat16"}}, "bfloat16"),  # a multimodal model's text model
+    ({}, None),  # named nowhere: vLLM reads the weights' headers
+    ({"torch_dtype": "float32", "quantization_config": {"quant_method": "awq"}}, None),  # its kernels decide
+])
+def test_the_checkpoints_dtype_is_what_its_config_names_or_unknown(config, named):
+    assert checkpoint_dtype(config) == named
+
+
+@pytest.mark.parametrize("hf, quantization", [
+    ({"torch_dtype": "float32", "quantization_config": {"quant_method": "gptq"}}, None),
+    ({"torch_dtype": "float32"}, "fp8"),  # quantized by vLLM at load: 16-bit activations only
+    ({}, None),  # a bf16 model whose config names no dtype must not be upcast
+])
+def test_a_model_whose_dtype_is_not_known_here_is_left_to_vllm(monkeypatch, hf, quantization):
+    monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: False)
+    assert pool_dtype("auto", "cpu", hf, quantization) == ("auto", None)
+    assert pool_dtype("bfloat16", "cpu", hf, quantization)[1] is not None  # asked for: warned of

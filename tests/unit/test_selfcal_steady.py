@@ -3,8 +3,13 @@ the spacing of the reports."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
 from autoscale.config import AutoscaleConfig
 from autoscale.profile import Fingerprint
+from autoscale.selfcal import _Counters
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore
 from pools.config import CalibrationConfig
@@ -22,3 +27,24 @@ def test_a_step_is_steady_whatever_the_spacing_of_the_reports():
     profile = store.get("p", Fingerprint(**FP))
     assert profile is not None and profile.unsteady == (), profile and profile.unsteady
     assert c.status("p").safe_range == (1, 64)
+
+
+def reported(replica: str, tokens: int):
+    return SimpleNamespace(replica=replica, engine=SimpleNamespace(generated_tokens=tokens))
+
+
+def test_replicas_reporting_out_of_phase_add_up_and_one_that_joins_counts_from_its_first_report():
+    counters = _Counters()
+    for k in range(15):  # looks every 0.25 s; r1 reports 100 tok/s on the second, r2 50 tok/s on the half
+        now = 0.5 + 0.25 * k
+        t1, t2 = float(int(now)), int(now - 0.5) + 0.5
+        counters.add([(t1, reported("r1", int(100 * t1))), (t2, reported("r2", int(50 * t2)))])
+    assert counters.end() == 3.5  # r2's latest report
+    for a in (0.6, 1.1, 1.9):  # chunks of 1.5 s at any phase to the reports: the sum
+        assert counters.rate(a, a + 1.5) == pytest.approx(150)
+    assert counters.rate(3.0, 4.5) is None  # beyond what every replica has reported
+    counters.add([(4.0, reported("r1", 400)), (4.5, reported("r2", 225)), (4.5, reported("r3", 0))])
+    counters.add([(5.0, reported("r1", 500)), (5.5, reported("r2", 275)), (5.5, reported("r3", 80))])
+    assert counters.rate(1.0, 5.0) is None  # r3 joined at 4.5
+    assert counters.covered(1.0, 9.0) == (4.5, 5.0)  # a capped step's window: what all three cover
+    assert counters.rate(4.5, 5.0) == pytest.approx(230)
