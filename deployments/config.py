@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, field_validator
 from autoscale.config import AutoscaleConfig
 from autoscale.profile import Profile, load_profile
 from pools.config import POOL_NAME, Frozen, ModelConfig, PoolConfig
-from pools.engine import pool_dtype
+from pools.engine import pool_dtype, read_hf_config
 from pools.kv_budget import GIB, KVBudget, ModelShape
 from pools.types import SafeRange
 from router.auth import KEY_FIX
@@ -214,11 +214,6 @@ def _path(base: Path, p: str) -> Path:
     return q if q.is_absolute() else base / q
 
 
-def _hf_config(source: Path) -> dict | None:
-    cfg = source / "config.json"
-    return json.loads(cfg.read_text()) if source.exists() and cfg.is_file() else None
-
-
 # Keys poolserve itself ships, in examples, the development config and the tests: anyone can
 # read them, so a server that other machines reach must not accept them.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -365,7 +360,7 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
                                     "give each pool its own prefix (not /v1)"))
     source_path = _path(base_dir, config.model.source)
     model_source = str(source_path) if source_path.exists() else config.model.source
-    hf = _hf_config(source_path)
+    hf = read_hf_config(source_path)
     if hf is None:
         warnings.append(f"model.source {config.model.source!r} has no local config.json: the KV budget check "
                         "is skipped (it runs where the model directory exists)")

@@ -48,8 +48,9 @@ class ModelConfig(Frozen):
                             "float32 one at bfloat16), except that a CPU pool keeps a float32 checkpoint at float32 "
                             "where the CPU has no bf16 instructions (vLLM would run bf16 in software: half the "
                             "speed, measured on an AVX2 host). Decided where the config is resolved, from the "
-                            "model directory's config.json (not for a hub id or a quantized model) and that "
-                            "machine's CPU; `poolserve validate` prints it, and warns of bfloat16 without bf16.")
+                            "model directory's config.json or its weights' headers (a hub id or a quantized model "
+                            "is left to vLLM) and that machine's CPU; `poolserve validate` prints it, and warns "
+                            "where the engine would run bfloat16 without bf16 instructions.")
     quantization: str | None = Field(None, description="vLLM quantization method, e.g. awq, fp8.")
     max_model_len: int = Field(ge=16, le=1 << 20, description="Context length: prompt + output tokens.")
 

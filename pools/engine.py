@@ -183,6 +183,34 @@ def cpu_native_bf16() -> bool | None:
         return None
 
 
+def read_hf_config(model_dir: Path) -> dict | None:
+    """A local model directory's `config.json` (None: not here), naming the weights' own dtype
+    where it names none, read from the first safetensors file's header as vLLM reads it."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if checkpoint_dtype(config) is None and not config.get("quantization_config"):
+        if named := _safetensors_dtype(model_dir):
+            config["torch_dtype"] = named
+    return config
+
+
+def _safetensors_dtype(model_dir: Path) -> str | None:
+    """The dtype most tensors of the first safetensors file have (8 bytes of header length, then
+    a JSON header naming each tensor's dtype)."""
+    for path in sorted(model_dir.glob("*.safetensors"))[:1]:
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        except (OSError, ValueError):
+            return None
+        counts = collections.Counter(v["dtype"] for k, v in header.items() if k != "__metadata__")
+        if counts:
+            return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(counts.most_common(1)[0][0])
+    return None
+
+
 def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None,
                quantization: str | None = None) -> tuple[str, str | None]:
     """What a pool's engines are asked for (`kv_budget.engine_dtype` on this machine's CPU), and
@@ -191,10 +219,11 @@ def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None,
     native = cpu_native_bf16() if accelerator == "cpu" else None
     checkpoint = checkpoint_dtype(hf_config) if hf_config is not None and not quantization else None
     dtype = engine_dtype(requested, checkpoint, native)
-    if native is False and (dtype == "bfloat16" or checkpoint is not None and runs_at(dtype, checkpoint) == "bfloat16"):
-        return dtype, (f"model.dtype {requested!r} runs this model at bfloat16 on a CPU without bf16 instructions, "
-                       "in software (the tiny model ran at half its float32 speed on such a host): set "
-                       "model.dtype: float32 if the memory holds the weights at twice the size")
+    if native is False and runs_at(dtype, checkpoint) == "bfloat16":  # unknown under auto: 16 bits, bf16 first
+        runs = "runs" if dtype == "bfloat16" or checkpoint is not None else "likely runs (vLLM decides)"
+        return dtype, (f"model.dtype {requested!r} {runs} this model at bfloat16 on a CPU without bf16 "
+                       "instructions, in software (the tiny model ran at half its float32 speed on such a host): "
+                       "set model.dtype: float32 if the model and the memory allow")
     return dtype, None
 
 

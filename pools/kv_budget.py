@@ -23,10 +23,16 @@ def checkpoint_dtype(config: Mapping) -> str | None:
     none (vLLM then reads the weights' headers) or the model is quantized (its kernels decide)."""
     if config.get("quantization_config"):
         return None
-    for c in (config, config.get("text_config") or {}):
+    for c in (config, _text_config(config)):
         if named := c.get("torch_dtype") or c.get("dtype"):
             return str(named).removeprefix("torch.")
     return None
+
+
+def _text_config(config: Mapping) -> Mapping:
+    """A multimodal model's text model (its layers and heads hold the KV cache); {} if none."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else {}
 
 
 def runs_at(dtype: str, checkpoint: str | None) -> str:
@@ -62,9 +68,11 @@ class ModelShape:
     def from_hf_config(cls, config: Mapping, dtype: str = "auto", kv_cache_dtype: str = "auto") -> "ModelShape":
         """Read a Hugging Face `config.json`; `dtype` is what vLLM is asked for, and an `auto` KV
         cache holds what the model runs at."""
+        chosen = kv_cache_dtype if kv_cache_dtype != "auto" else runs_at(dtype, checkpoint_dtype(config))
+        if "num_attention_heads" not in config and _text_config(config):
+            config = _text_config(config)
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        chosen = kv_cache_dtype if kv_cache_dtype != "auto" else runs_at(dtype, checkpoint_dtype(config))
         if chosen not in DTYPE_BYTES:
             raise ValueError(f"unknown KV dtype {chosen!r}; use one of {sorted(DTYPE_BYTES)}")
         return cls(

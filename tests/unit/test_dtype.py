@@ -5,12 +5,15 @@ bytes the engine really stores."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from deployments.app import fingerprint_base, llm_config
-from pools.engine import native_bf16, pool_dtype
-from pools.kv_budget import checkpoint_dtype, engine_dtype, runs_at
-from tests.unit.test_config import base, check, model_dir, set_path  # noqa: F401 - a fixture
+from pools.engine import native_bf16, pool_dtype, read_hf_config
+from pools.kv_budget import ModelShape, checkpoint_dtype, engine_dtype, runs_at
+from tests.unit.test_config import SHAPE, base, check, model_dir, set_path  # noqa: F401 - a fixture
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n"
 SAPPHIRE = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -80,9 +83,43 @@ def test_the_checkpoints_dtype_is_what_its_config_names_or_unknown(config, named
 @pytest.mark.parametrize("hf, quantization", [
     ({"torch_dtype": "float32", "quantization_config": {"quant_method": "gptq"}}, None),
     ({"torch_dtype": "float32"}, "fp8"),  # quantized by vLLM at load: 16-bit activations only
-    ({}, None),  # a bf16 model whose config names no dtype must not be upcast
+    ({}, None),  # no dtype named, no weights to read: a bf16 model must not be upcast
+    (None, None),  # a hub id
 ])
-def test_a_model_whose_dtype_is_not_known_here_is_left_to_vllm(monkeypatch, hf, quantization):
+def test_a_model_whose_dtype_is_not_known_here_is_left_to_vllm_and_warned_of(monkeypatch, hf, quantization):
     monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: False)
+    dtype, slow = pool_dtype("auto", "cpu", hf, quantization)
+    assert dtype == "auto" and "likely runs" in slow  # vLLM puts bfloat16 first on every x86 CPU
+    assert "likely" not in pool_dtype("bfloat16", "cpu", hf, quantization)[1]  # asked for: it does
+    monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: True)
     assert pool_dtype("auto", "cpu", hf, quantization) == ("auto", None)
-    assert pool_dtype("bfloat16", "cpu", hf, quantization)[1] is not None  # asked for: warned of
+
+
+def safetensors(path: Path, dtypes: dict[str, str]) -> None:
+    """A safetensors file of one-element tensors: 8 bytes of header length, the header, the data."""
+    size = {"F32": 4, "BF16": 2, "F16": 2}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype in dtypes.items():
+        header[name] = {"dtype": dtype, "shape": [1], "data_offsets": [offset, offset + size[dtype]]}
+        offset += size[dtype]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(offset))
+
+
+@pytest.mark.parametrize("weights, named", [
+    ({"a": "F32", "b": "F32", "norm": "BF16"}, "float32"), ({"a": "BF16", "b": "BF16"}, "bfloat16"), (None, None),
+])
+def test_a_config_that_names_no_dtype_takes_the_weights_own(tmp_path, weights, named):
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in SHAPE.items() if k != "torch_dtype"}))
+    if weights:
+        safetensors(tmp_path / "model-00001-of-00002.safetensors", weights)
+        safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": "F16"})  # the first file decides
+    assert checkpoint_dtype(read_hf_config(tmp_path)) == named
+    assert read_hf_config(tmp_path / "elsewhere") is None
+
+
+def test_a_multimodal_models_kv_cache_is_its_text_models():
+    nested = {"model_type": "llava", "text_config": {**SHAPE, "torch_dtype": "bfloat16"}}
+    assert checkpoint_dtype(nested) == "bfloat16"
+    assert ModelShape.from_hf_config(nested).bytes_per_token == 2 * 2 * 2 * 64 * 2
+    assert checkpoint_dtype({"text_config": "not a table"}) is None
