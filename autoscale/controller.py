@@ -72,6 +72,36 @@ class _PoolState:
     discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
     sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
 
+    def forget_set_up(self, now: float) -> None:
+        """What the old set-up measured says nothing of a new one: its range, its sweeps, and
+        the P99s the cooldown and settling window counted (they start over now)."""
+        self.measured = self.profile = self.profile_calibration = None
+        self.discarded_sweeps, self.sweep_after = 0, 0.0
+        if self.policy is not None:
+            self.policy = replace(self.policy, last_change_at=now, last_direction=0)
+
+
+def _set_up_moved(p: _PoolState, stats: ReplicaStats, fresh: list[ReplicaStats]) -> bool:
+    """This replica runs a set-up other than the pool's, whose range depends on it, and no
+    replica that still reports runs the pool's. While both report, the pool keeps the range of
+    the set-up it settled on (one pool, one set of limits; the latency feedback acts on the mix)."""
+    if p.spec.profile is None and p.spec.calibration.mode != "auto":  # a configured range, whatever runs it
+        return False
+    if not stats.fingerprint or (p.fingerprint is not None and Fingerprint(**stats.fingerprint) == p.fingerprint):
+        return False
+    if any(s.fingerprint and Fingerprint(**s.fingerprint) == p.fingerprint for s in fresh):
+        return False
+    log.warning("pool %s: its replicas now run another set-up (%s): its calibration is settled again", stats.pool,
+                "; ".join(p.fingerprint.differences(Fingerprint(**stats.fingerprint))) if p.fingerprint is not None
+                else "the first with a fingerprint")
+    return True
+
+
+def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, now: float, max_age: float) -> None:
+    if last is not None and now - last[0] > max_age:
+        log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
+                    "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0], max_age)
+
 
 def _pinned(p: _PoolState) -> int | None:
     return p.sweep if p.sweep is not None else p.operator.pinned
@@ -84,22 +114,18 @@ class Controller:
         self._config, self._clock, self._wall = config, clock, wall_clock
         self._store = store or MemoryStore()
         self._profiles = profiles or ProfileStore(MemoryStore())
-        self._pools = {name: _PoolState(spec, self._restore(name)) for name, spec in specs.items()}
+        self._pools = {name: _PoolState(spec, _restore(self._store, name)) for name, spec in specs.items()}
         self._log: collections.deque[DecisionJson] = collections.deque(maxlen=config.decision_log_size)
 
     # -- replica protocol --------------------------------------------------------
 
     def report(self, stats: ReplicaStats) -> LimitsDirective:
         p, now = self._pools[stats.pool], self._clock()
-        last = p.reports.get(stats.replica)
-        if last is not None and now - last[0] > self._config.stats_max_age_s:
-            log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
-                        "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0],
-                        self._config.stats_max_age_s)
+        _note_a_gap(stats, p.reports.get(stats.replica), now, self._config.stats_max_age_s)
         p.reports[stats.replica] = (now, stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
-        if p.calibration.state == "unknown":
+        if p.calibration.state == "unknown" or _set_up_moved(p, stats, self.replica_stats(stats.pool)):
             self._settle_profile(p, stats)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
@@ -207,9 +233,12 @@ class Controller:
     # -- profiles ------------------------------------------------------------------------
 
     def _settle_profile(self, p: _PoolState, stats: ReplicaStats) -> None:
-        """Which profile a pool runs on, decided at its first report (its fingerprint is known)."""
-        p.fingerprint = Fingerprint(**stats.fingerprint) if stats.fingerprint else None
-        calibration, profile = settle(p.spec, p.fingerprint, self._profiles)
+        """Which profile a pool runs on, decided at its first report (its fingerprint is known)
+        and again when its replicas have moved to another set-up."""
+        fingerprint = Fingerprint(**stats.fingerprint) if stats.fingerprint else None
+        calibration, profile = settle(p.spec, fingerprint, self._profiles)  # may raise: settled at the next report
+        p.forget_set_up(self._clock())
+        p.fingerprint = fingerprint
         self._set_calibration(p, calibration, profile)
 
     def _set_calibration(self, p: _PoolState, calibration: CalibrationJson, profile: Profile | None) -> None:
@@ -245,6 +274,9 @@ class Controller:
         """A sweep of this set-up finished: the pool moves inside the range it measured, or, if
         the sweep is not evidence, keeps its range and sweeps again later (`ranges.judge_sweep`)."""
         p = self._pools[name]
+        if profile.fingerprint != p.fingerprint:  # the replicas moved during the sweep: it measured the old set-up
+            log.warning("pool %s: a sweep of a set-up the pool no longer runs is not kept", name)
+            return
         calibration, kept = judge_sweep(profile, self._profiles.get(name, profile.fingerprint), p.discarded_sweeps,
                                         p.calibration.source, p.measured)
         if kept is None:
@@ -320,13 +352,14 @@ class Controller:
                                                 "lending": o.lending, "epoch": o.epoch,
                                                 "slo": o.slo.model_dump() if o.slo else None})
 
-    def _restore(self, name: str) -> Operator:
-        try:
-            return _operator(name, self._store.get(f"pool/{name}"))
-        except (ValueError, TypeError, OSError) as e:  # pydantic's and json's errors are ValueErrors
-            log.warning("pool %s: the saved operator settings (pool/%s) cannot be read, so the config's hold: %s",
-                        name, name, e)
-            return Operator()
+
+def _restore(store: StateStore, name: str) -> Operator:
+    try:
+        return _operator(name, store.get(f"pool/{name}"))
+    except (ValueError, TypeError, OSError) as e:  # pydantic's and json's errors are ValueErrors
+        log.warning("pool %s: the saved operator settings (pool/%s) cannot be read, so the config's hold: %s",
+                    name, name, e)
+        return Operator()
 
 
 def _operator(name: str, saved: Any) -> Operator:

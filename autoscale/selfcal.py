@@ -115,14 +115,14 @@ class Calibrator:
         self._busy_at = self._clock()  # unknown before: a whole quiet_s before the first step
         request_models()  # vLLM's protocol module takes seconds to import: not inside a step's timing
         try:
-            spec, rows = self._c.spec(name), []
+            spec, rows, fingerprint = self._c.spec(name), [], self._c.fingerprint(name)
             log.info("pool %s: calibrating this set-up in the background, ladder %s", name, list(spec.sweep))
             for i, seqs in enumerate(spec.sweep, 1):
                 rows.append(await self._step_until_measured(name, seqs, f"step {i}/{len(spec.sweep)}"))
                 log.info("pool %s: calibration step %d/%d at %d sequences: %.0f output tok/s%s", name, i,
                          len(spec.sweep), seqs, rows[-1].output_tok_per_s, "" if rows[-1].steady else " (unsteady)")
             slo = self._c.slo(name)
-            profile = build_profile(name, rows, self._c.fingerprint(name), SLOSpec(**slo.model_dump()),
+            profile = build_profile(name, rows, fingerprint, SLOSpec(**slo.model_dump()),
                                     self._traffic(name), KneeRule(), (), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             self._c.adopt(name, profile)
         except NotNow as e:  # the sweeper goes to the other pools; this one starts over later
