@@ -22,6 +22,7 @@ class FakeEngine:
 
     seen_priorities: list[int] = []
     release = None  # an asyncio.Event that holds streams open when set by a test
+    held = 0  # streams waiting for it
     fail_with: Exception | None = None  # raised before the first chunk, as vLLM's chat rendering does
 
     def __init__(self) -> None:
@@ -54,8 +55,12 @@ class FakeEngine:
             yield SimpleNamespace(usage=SimpleNamespace(prompt_tokens=3, completion_tokens=request.max_tokens))
             return
         for i in range(request.max_tokens):
-            if FakeEngine.release is not None:
-                await FakeEngine.release.wait()
+            if FakeEngine.release is not None and not FakeEngine.release.is_set():
+                FakeEngine.held += 1
+                try:
+                    await FakeEngine.release.wait()
+                finally:
+                    FakeEngine.held -= 1
             yield [f'data: {{"choices":[{{"text":"t{i}"}}]}}\n\n']
         yield ['data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % request.max_tokens,
                "data: [DONE]\n\n"]
@@ -81,6 +86,20 @@ def call(priority=PriorityClass.BATCH, max_tokens=3, stream=True, include_usage=
     body = SimpleNamespace(stream=stream, max_tokens=max_tokens, priority=0)
     return PoolCall("completions", body, "t", 1.0, priority, prompt_tokens=3, max_tokens=max_tokens,
                     include_usage=include_usage, n=n)
+
+
+async def until(condition, what: str) -> None:
+    """Waits for a state of the server instead of a fixed sleep: on a loaded host a sleep's
+    wake-up can come before the other tasks have got there."""
+    for _ in range(100_000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never reached: {what}")
+
+
+def queued(server) -> int:
+    return sum(server._gate.gate.stats().queued_by_class.values())
 
 
 async def collect(server, c) -> list:
@@ -127,7 +146,8 @@ def test_only_a_call_that_queues_says_it_arrived():
         second = server.generate(call())
         queued_head = await second.__anext__()
         verdict = asyncio.create_task(second.__anext__())
-        await asyncio.sleep(0.05)
+        await until(lambda: queued(server) == 1, "the second call queued")
+        await asyncio.sleep(0.05)  # time enough for a wrong verdict to come
         parked = not verdict.done()
         FakeEngine.release.set()
         rest = [x async for x in first]
@@ -167,7 +187,7 @@ def test_queue_full_yields_a_single_rejection():
         server = await make_server(max_queued=1)
         running = asyncio.create_task(collect(server, call()))  # holds the only slot
         waiting = asyncio.create_task(collect(server, call()))  # fills the queue
-        await asyncio.sleep(0.05)
+        await until(lambda: server._gate.gate.stats().active == 1 and queued(server) == 1, "one running, one queued")
         refused = await collect(server, call())
         FakeEngine.release.set()
         await asyncio.gather(running, waiting)
@@ -188,7 +208,7 @@ def test_cancelled_stream_frees_its_slot_and_counts_as_cancelled():
         gen = server.generate(call(max_tokens=50))
         assert isinstance(await gen.__anext__(), Admitted)  # a free slot: no Arrived first
         task = asyncio.create_task(gen.__anext__())
-        await asyncio.sleep(0.01)
+        await until(lambda: FakeEngine.held > 0, "the stream waiting for its next token")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -270,7 +290,7 @@ def test_a_lender_refuses_borrowed_work_while_its_own_work_is_here_or_recent():
         FakeEngine.release = asyncio.Event()
         server = await make_server()
         own = asyncio.get_running_loop().create_task(collect(server, call(PriorityClass.INTERACTIVE)))
-        await asyncio.sleep(0.01)  # the own request holds its slot, streaming
+        await until(lambda: server._gate.gate.stats().active == 1, "the own request holding its slot")
         borrowed = dataclasses.replace(call(PriorityClass.BORROWED), borrowed=True, lend_below_utilisation=0.5)
         while_busy = await collect(server, borrowed)
         FakeEngine.release.set()
