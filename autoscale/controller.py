@@ -36,6 +36,7 @@ from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decid
 from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
                               settle)
+from autoscale.setups import GONE_AFTER_REPORTS, SetUps
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
@@ -71,30 +72,26 @@ class _PoolState:
     last_logged: str = ""
     discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
     sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
+    set_ups: SetUps = field(default_factory=SetUps)
 
     def forget_set_up(self, now: float) -> None:
-        """What the old set-up measured says nothing of a new one: its range, its sweeps, and
-        the P99s the cooldown and settling window counted (they start over now)."""
+        """What the old set-up measured says nothing of a new one: its range, and the latency its
+        policy saw. Discarded sweeps stay counted (a pool that flips still gives up)."""
+        if self.calibration.state != "unknown":
+            self.set_ups.other_at = now  # a sweep that started before measured the old set-up
         self.measured = self.profile = self.profile_calibration = None
-        self.discarded_sweeps, self.sweep_after = 0, 0.0
-        if self.policy is not None:
-            self.policy = replace(self.policy, last_change_at=now, last_direction=0)
+        self.policy = self.policy.restarted(now) if self.policy is not None else None
 
 
-def _set_up_moved(p: _PoolState, stats: ReplicaStats, fresh: list[ReplicaStats]) -> bool:
-    """This replica runs a set-up other than the pool's, whose range depends on it, and no
-    replica that still reports runs the pool's. While both report, the pool keeps the range of
-    the set-up it settled on (one pool, one set of limits; the latency feedback acts on the mix)."""
+def _settles(p: _PoolState, stats: ReplicaStats, fingerprint: Fingerprint | None, now: float, gone_after: float
+             ) -> bool:
+    """This report settles the pool's profile: its first readable one, or one of a set-up the
+    pool's replicas have moved to (for a pool whose range depends on its set-up)."""
+    if p.calibration.state == "unknown":
+        return fingerprint is not None or not stats.fingerprint
     if p.spec.profile is None and p.spec.calibration.mode != "auto":  # a configured range, whatever runs it
         return False
-    if not stats.fingerprint or (p.fingerprint is not None and Fingerprint(**stats.fingerprint) == p.fingerprint):
-        return False
-    if any(s.fingerprint and Fingerprint(**s.fingerprint) == p.fingerprint for s in fresh):
-        return False
-    log.warning("pool %s: its replicas now run another set-up (%s): its calibration is settled again", stats.pool,
-                "; ".join(p.fingerprint.differences(Fingerprint(**stats.fingerprint))) if p.fingerprint is not None
-                else "the first with a fingerprint")
-    return True
+    return p.set_ups.moved(stats.pool, p.fingerprint, fingerprint, now, gone_after)
 
 
 def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, now: float, max_age: float) -> None:
@@ -125,8 +122,11 @@ class Controller:
         p.reports[stats.replica] = (now, stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
-        if p.calibration.state == "unknown" or _set_up_moved(p, stats, self.replica_stats(stats.pool)):
-            self._settle_profile(p, stats)
+        fingerprint = p.set_ups.read(stats)
+        if _settles(p, stats, fingerprint, now, GONE_AFTER_REPORTS * self._config.stats_max_age_s):
+            self._settle_profile(p, fingerprint)
+        if fingerprint is not None:
+            p.set_ups.note(stats.replica, fingerprint, now, p.fingerprint)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
             adopted = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
@@ -232,10 +232,9 @@ class Controller:
 
     # -- profiles ------------------------------------------------------------------------
 
-    def _settle_profile(self, p: _PoolState, stats: ReplicaStats) -> None:
+    def _settle_profile(self, p: _PoolState, fingerprint: Fingerprint | None) -> None:
         """Which profile a pool runs on, decided at its first report (its fingerprint is known)
         and again when its replicas have moved to another set-up."""
-        fingerprint = Fingerprint(**stats.fingerprint) if stats.fingerprint else None
         calibration, profile = settle(p.spec, fingerprint, self._profiles)  # may raise: settled at the next report
         p.forget_set_up(self._clock())
         p.fingerprint = fingerprint
@@ -270,15 +269,17 @@ class Controller:
     def sweep_progress(self, name: str, detail: str) -> None:
         self._pools[name].calibration = self._pools[name].calibration.model_copy(update={"detail": detail})
 
-    def adopt(self, name: str, profile: Profile) -> None:
-        """A sweep of this set-up finished: the pool moves inside the range it measured, or, if
-        the sweep is not evidence, keeps its range and sweeps again later (`ranges.judge_sweep`)."""
+    def adopt(self, name: str, profile: Profile, started: float | None = None) -> None:
+        """A sweep begun at `started` finished: the pool moves inside its range, or keeps its own and
+        sweeps again later (`ranges.judge_sweep`); one of a set-up it no longer runs changes nothing."""
         p = self._pools[name]
-        if profile.fingerprint != p.fingerprint:  # the replicas moved during the sweep: it measured the old set-up
+        if profile.fingerprint != p.fingerprint:
             log.warning("pool %s: a sweep of a set-up the pool no longer runs is not kept", name)
             return
+        mixed = started is not None and p.set_ups.served_since(started)
         calibration, kept = judge_sweep(profile, self._profiles.get(name, profile.fingerprint), p.discarded_sweeps,
-                                        p.calibration.source, p.measured)
+                                        p.calibration.source, p.measured,
+                                        "replicas of another set-up served during it" if mixed else None)
         if kept is None:
             p.discarded_sweeps += 1
             p.sweep_after = self._clock() + RESWEEP_AFTER_S
@@ -286,8 +287,10 @@ class Controller:
             self._profiles.put(kept)
         self._set_calibration(p, calibration, kept)
 
-    def sweep_failed(self, name: str, reason: str) -> None:
+    def sweep_failed(self, name: str, reason: str, fingerprint: Fingerprint | None = None) -> None:
         p = self._pools[name]
+        if fingerprint is not None and fingerprint != p.fingerprint:  # the pool has settled on its new set-up
+            return
         self._set_calibration(p, CalibrationJson(state="failed", source=p.calibration.source,
                                                  detail=f"the sweep failed ({reason}): the fallback range"), None)
 

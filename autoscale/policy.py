@@ -72,6 +72,12 @@ class PolicyState:
     down_level: float = 0.0  # its P99 (s) then
     down_clear_since: float | None = None  # since when that P99 has been measured back under its SLO
 
+    def restarted(self, now: float) -> "PolicyState":
+        """The same target, with nothing kept of the latency measured before `now` (the pool's
+        replicas moved to another set-up): the cooldown and the settling window count from now."""
+        return PolicyState(target=self.target, last_change_at=now, seen_rejected=self.seen_rejected,
+                           seen_preemptions=self.seen_preemptions)
+
 
 @dataclass(frozen=True)
 class PolicyConfig:

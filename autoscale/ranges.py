@@ -85,14 +85,15 @@ def profiled(profile: Profile, source: str) -> CalibrationJson:
         f"range {list(profile.range)}, set by the {profile.decided_by or 'knee'} rule{unsteady}{again}"))
 
 
-def judge_sweep(profile: Profile, before: Profile | None, discarded: int, source: str, running: SafeRange | None
-                ) -> tuple[CalibrationJson, Profile | None]:
+def judge_sweep(profile: Profile, before: Profile | None, discarded: int, source: str, running: SafeRange | None,
+                not_this: str | None = None) -> tuple[CalibrationJson, Profile | None]:
     """What a finished background sweep does: the pool's calibration, and the profile to keep and
     run on (None: discarded). Unsteady steps make the profile provisional, unless the sweep before
     it was unsteady too. A sweep that is not evidence is discarded: the pool keeps the range it
     runs in (its fallback, or `running`: a provisional profile's) and sweeps again after
-    `RESWEEP_AFTER_S`, `SWEEPS_PER_START` times at most (`discarded` already were)."""
-    if (why := not_evidence(profile)) is not None:
+    `RESWEEP_AFTER_S`, `SWEEPS_PER_START` times at most (`discarded` already were). `not_this`
+    says why the sweep measured something else than the set-up, when it did."""
+    if (why := not_this or not_evidence(profile)) is not None:
         keeps = ("the fallback range" if running is None
                  else f"the range {[running.low, running.high]} of its provisional profile")
         if discarded + 1 >= SWEEPS_PER_START:

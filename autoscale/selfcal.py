@@ -114,8 +114,9 @@ class Calibrator:
         self.running = name
         self._busy_at = self._clock()  # unknown before: a whole quiet_s before the first step
         request_models()  # vLLM's protocol module takes seconds to import: not inside a step's timing
+        fingerprint, started = self._c.fingerprint(name), self._clock()  # the controller's clock too
         try:
-            spec, rows, fingerprint = self._c.spec(name), [], self._c.fingerprint(name)
+            spec, rows = self._c.spec(name), []
             log.info("pool %s: calibrating this set-up in the background, ladder %s", name, list(spec.sweep))
             for i, seqs in enumerate(spec.sweep, 1):
                 rows.append(await self._step_until_measured(name, seqs, f"step {i}/{len(spec.sweep)}"))
@@ -124,14 +125,14 @@ class Calibrator:
             slo = self._c.slo(name)
             profile = build_profile(name, rows, fingerprint, SLOSpec(**slo.model_dump()),
                                     self._traffic(name), KneeRule(), (), time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-            self._c.adopt(name, profile)
+            self._c.adopt(name, profile, started)
         except NotNow as e:  # the sweeper goes to the other pools; this one starts over later
             self._not_before[name] = self._clock() + RESWEEP_AFTER_S
             log.info("pool %s: calibration waits: %s", name, e)
             self._c.sweep_progress(name, f"{e}; the fallback range, and a sweep again in {RESWEEP_AFTER_S:g} s")
         except Exception as e:  # noqa: BLE001 - a failed sweep leaves the pool at its fallback range
             log.exception("pool %s: calibration failed", name)
-            self._c.sweep_failed(name, f"{type(e).__name__}: {e}")
+            self._c.sweep_failed(name, f"{type(e).__name__}: {e}", fingerprint)
         finally:
             self._c.sweep_pin(name, None)
             self.running = None
