@@ -42,6 +42,14 @@ class PromptError(ValueError):
     """vLLM refused to render a request's prompt (bad messages, template, tools ...)."""
 
 
+class SamplingError(PromptError):
+    """vLLM's checks of the sampling parameters refused them; `parameter` names the field."""
+
+    def __init__(self, message: str, parameter: str | None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+
+
 class PromptTooLong(PromptError):
     """The rendered prompt does not fit the context; `tokens` is a lower bound, if known."""
 
@@ -69,6 +77,7 @@ class PromptRenderer:
         _, vllm_config = _get_vllm_engine_config(llm_config, device_type="cpu")
         frontend = FrontendArgs(**llm_config.get_engine_config().frontend_kwargs)
         self._model_config = vllm_config.model_config
+        self._sampling_defaults = self._model_config.get_diff_sampling_param()  # reads generation_config.json
         self._renderer = OnlineRenderer(
             self._model_config, renderer_from_config(vllm_config), request_logger=None,
             chat_template=load_chat_template(frontend.chat_template),
@@ -88,6 +97,7 @@ class PromptRenderer:
         from vllm.renderers.inputs.preprocess import extract_prompt_len
 
         request = body.model_copy(deep=True)  # rendering mutates the request
+        self._check_sampling(kind, request)
         try:
             if kind == "chat":
                 result = await self._renderer.render_chat(request, skip_mm_cache=True)
@@ -103,6 +113,20 @@ class PromptRenderer:
         if isinstance(inputs, ErrorResponse):
             raise PromptError(inputs.error.message)
         return sum(extract_prompt_len(self._model_config, x) for x in inputs)
+
+    def _check_sampling(self, kind: str, request: Any) -> None:
+        """vLLM's own checks of the sampling parameters against the model (logprobs above its
+        max_logprobs, stop or logit-bias token ids outside the vocabulary, min_tokens above
+        max_tokens...), as its serving layer makes them: the engine would refuse such a request
+        only once a gate had admitted it, after it had waited in the queue."""
+        asked = request.max_completion_tokens if kind == "chat" else None
+        asked = asked if asked is not None else request.max_tokens
+        try:
+            params = request.to_sampling_params(asked or self._model_config.max_model_len, self._sampling_defaults)
+            params.verify(self._model_config, None, None, None)
+        except (ValueError, TypeError, *vllm_client_errors()) as e:
+            param = getattr(e, "parameter", None)
+            raise SamplingError(str(e), "top_logprobs" if kind == "chat" and param == "logprobs" else param) from None
 
 
 class RayLLMEngine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pools.llm import PromptError, PromptTooLong, request_models, sanitize_chat, vllm_client_errors
+from pools.llm import PromptError, PromptTooLong, SamplingError, request_models, sanitize_chat, vllm_client_errors
 from pools.types import CallKind
 from router.errors import ApiError
 
@@ -76,7 +76,8 @@ class Pricer:
                                                            f"{asked or 0}: together above max_model_len {self._limit}; "
                                                            "shorten the prompt", _prompt_param(kind))
         except PromptError as e:
-            raise ApiError(400, "invalid_request", f"the engine would refuse this request: {e}", _prompt_param(kind))
+            raise ApiError(400, "invalid_request", f"the engine would refuse this request: {e}",
+                           e.parameter if isinstance(e, SamplingError) else _prompt_param(kind))
         return PricedRequest(kind, body, prompt, self._max_tokens(kind, asked, param, prompt), n, client_usage)
 
     def validate(self, kind: CallKind, data: dict) -> tuple[Any, bool]:

@@ -96,6 +96,53 @@ def test_bad_requests_get_clear_errors(stack, path, body, key, status, code, fra
     assert err["type"] and err["message"]
 
 
+COMPLETIONS = "/online/v1/completions"
+SAMPLING = [
+    # (path, body, param, fragment): vLLM's own checks of the sampling parameters
+    (CHAT, ok_body(logprobs=True, top_logprobs=21), "top_logprobs", "max allowed: 20"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "logprobs": 50}, "logprobs", "max allowed: 20"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": -1}, "prompt_logprobs", "max allowed: 20"),
+    (CHAT, ok_body(stop_token_ids=[10**6]), "stop_token_ids", "out-of-vocab"),
+    (CHAT, ok_body(logit_bias={"999999": 3}), "logit_bias", "out-of-vocab"),
+    (CHAT, ok_body(temperature=-1), "temperature", "non-negative"),
+    (CHAT, ok_body(top_p=0), "top_p", "top_p must be in (0, 1]"),
+    (CHAT, ok_body(min_tokens=9), None, "min_tokens must be less than or equal to max_tokens=4"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, fragment", SAMPLING, ids=[s[2] or "min_tokens" for s in SAMPLING])
+def test_sampling_parameters_the_engine_would_refuse_never_reach_the_gate(stack, path, body, param, fragment):
+    """The engine refused them only once the pool's gate had admitted them, after they had
+    waited in its queue: now the router refuses them first, naming the field."""
+    before = stack.fresh_replica("online-chat")
+    r = post(stack, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and err["param"] == param and fragment in err["message"], err
+    after = stack.fresh_replica("online-chat")
+    assert (after["admitted"], after["rejected"]) == (before["admitted"], before["rejected"])
+
+
+def test_logprobs_come_back_as_the_openai_api_returns_them(stack):
+    client = stack.client("chat")
+    messages = [{"role": "user", "content": "Which tokens were likely?"}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 4
+    assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4, logprobs=True,
+                                            top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(streamed) == 4 and all(len(t.top_logprobs) == 2 for t in streamed)
+    echoed = client.completions.create(model="tiny-llama", prompt="likely tokens in the queue", max_tokens=3,
+                                       echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    assert len(echoed.choices[0].logprobs.tokens) == echoed.usage.prompt_tokens + 3
+    scored = client.completions.create(model="tiny-llama", prompt="likely tokens in the queue", max_tokens=1,
+                                       extra_body={"prompt_logprobs": 1})
+    prompt_logprobs = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == scored.usage.prompt_tokens and prompt_logprobs[0] is None  # no first-token score
+
+
 HIDDEN = "queue " * 1300  # about 1,300 tokens of the tiny model's tokenizer
 HIDDEN_TOKENS = {
     "tools": {"tools": [{"type": "function", "function": {"name": "lookup", "description": HIDDEN,

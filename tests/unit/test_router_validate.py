@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from pools.llm import PromptError, SamplingError
 from router.errors import ApiError
 from router.pricing import Pricer
 from tests.unit.router_harness import WordCounter
@@ -57,3 +58,19 @@ def test_a_good_body_passes():
 ])
 def test_max_tokens_defaults_are_the_engines(kind, body, max_tokens):
     assert asyncio.run(pricer().price(kind, body)).max_tokens == max_tokens
+
+
+@pytest.mark.parametrize("error, param", [
+    (SamplingError("Requested sample logprobs of 21", "top_logprobs"), "top_logprobs"),
+    (SamplingError("min_tokens must be less than or equal to max_tokens=4", None), None),
+    (PromptError("the template failed"), "messages"),  # a rendering error is the prompt's
+])
+def test_the_engines_refusal_names_the_field_it_was_about(error, param):
+    """A sampling check that failed named the messages, as a rendering error does."""
+    class Refusing(WordCounter):
+        async def count(self, kind, body):
+            raise error
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(Pricer("m", 64, Refusing()).price("chat", {"messages": MSG, "max_tokens": 4}))
+    assert e.value.status == 400 and e.value.param == param and "the engine would refuse" in e.value.message
