@@ -24,13 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batched", type=int, default=4096)
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
     p.add_argument("--out", required=True, help="where the result's JSON goes")
     a = p.parse_args(argv)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=a.model, dtype="float32", max_model_len=2048, max_num_seqs=a.seqs,
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, max_num_seqs=a.seqs,
               max_num_batched_tokens=a.batched, enable_chunked_prefill=True,
               kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)))
     vocab = llm.get_tokenizer().vocab_size

@@ -157,15 +157,19 @@ def drop_engine_overrides(environ: MutableMapping[str, str] = os.environ) -> lis
     return [name for name in _ENGINE_OVERRIDES if environ.pop(name, None) is not None]
 
 
-def native_bf16(cpuinfo: str, machine: str) -> bool | None:
-    """Whether a CPU computes bf16 in hardware, from `/proc/cpuinfo`'s text: AVX512-BF16 or AMX
-    on x86, the bf16 feature on Arm; None for another architecture, or no flags to read."""
+def _cpu_words(cpuinfo: str) -> set[str]:
     words: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             words.update(value.split())
-    if not words:
+    return words
+
+
+def native_bf16(cpuinfo: str, machine: str) -> bool | None:
+    """Whether a CPU computes bf16 in hardware, from `/proc/cpuinfo`'s text: AVX512-BF16 or AMX
+    on x86, the bf16 feature on Arm; None for another architecture, or no flags to read."""
+    if not (words := _cpu_words(cpuinfo)):
         return None
     if machine in ("x86_64", "AMD64"):
         return bool(words & {"avx512_bf16", "amx_bf16"})
@@ -174,13 +178,31 @@ def native_bf16(cpuinfo: str, machine: str) -> bool | None:
     return None
 
 
+def native_fp16(cpuinfo: str, machine: str) -> bool | None:
+    """Whether an x86 CPU computes float16 in hardware (AVX512-FP16 or AMX-FP16); None for
+    another architecture (not measured), or no flags to read."""
+    if not (words := _cpu_words(cpuinfo)) or machine not in ("x86_64", "AMD64"):
+        return None
+    return bool(words & {"avx512_fp16", "amx_fp16"})
+
+
 @functools.cache
 def cpu_native_bf16() -> bool | None:
     """`native_bf16` of this machine's CPU."""
+    return native_bf16(*_this_cpu())
+
+
+@functools.cache
+def cpu_native_fp16() -> bool | None:
+    """`native_fp16` of this machine's CPU."""
+    return native_fp16(*_this_cpu())
+
+
+def _this_cpu() -> tuple[str, str]:
     try:
-        return native_bf16(Path("/proc/cpuinfo").read_text(), platform.machine())
+        return Path("/proc/cpuinfo").read_text(), platform.machine()
     except OSError:
-        return None
+        return "", platform.machine()
 
 
 def read_hf_config(model_dir: Path) -> dict | None:
@@ -214,16 +236,22 @@ def _safetensors_dtype(model_dir: Path) -> str | None:
 def pool_dtype(requested: str, accelerator: str, hf_config: Mapping | None,
                quantization: str | None = None) -> tuple[str, str | None]:
     """What a pool's engines are asked for (`kv_budget.engine_dtype` on this machine's CPU), and
-    a warning where they would run bfloat16 in software. A quantized model's dtype is left to
-    vLLM: its kernels take 16-bit activations only."""
+    a warning where they would run bfloat16 or float16 in software. A quantized model's dtype is
+    left to vLLM: its kernels take 16-bit activations only."""
     native = cpu_native_bf16() if accelerator == "cpu" else None
     checkpoint = checkpoint_dtype(hf_config) if hf_config is not None and not quantization else None
     dtype = engine_dtype(requested, checkpoint, native)
-    if native is False and runs_at(dtype, checkpoint) == "bfloat16":  # unknown under auto: 16 bits, bf16 first
-        runs = "runs" if dtype == "bfloat16" or checkpoint is not None else "likely runs (vLLM decides)"
-        return dtype, (f"model.dtype {requested!r} {runs} this model at bfloat16 on a CPU without bf16 "
+    runs = runs_at(dtype, checkpoint)
+    if native is False and runs == "bfloat16":  # unknown under auto: 16 bits, bf16 first
+        how = "runs" if dtype == "bfloat16" or checkpoint is not None else "likely runs (vLLM decides)"
+        return dtype, (f"model.dtype {requested!r} {how} this model at bfloat16 on a CPU without bf16 "
                        "instructions, in software (the tiny model ran at half its float32 speed on such a host): "
                        "set model.dtype: float32 if the model and the memory allow")
+    if runs == "float16" and accelerator == "cpu" and cpu_native_fp16() is False:
+        instead = "bfloat16 (this CPU has bf16 instructions)" if native else "float32 if the model and the memory allow"
+        return dtype, (f"model.dtype {requested!r} runs this model at float16 on a CPU without float16 instructions "
+                       "(AVX512-FP16 or AMX-FP16), in software (the tiny model ran at a third of its float32 speed "
+                       f"on such a host): set model.dtype: {instead}")
     return dtype, None
 
 

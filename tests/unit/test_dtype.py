@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from deployments.app import fingerprint_base, llm_config
-from pools.engine import native_bf16, pool_dtype, read_hf_config
+from pools.engine import native_bf16, native_fp16, pool_dtype, read_hf_config
 from pools.kv_budget import ModelShape, checkpoint_dtype, engine_dtype, runs_at
 from tests.unit.test_config import SHAPE, base, check, model_dir, set_path  # noqa: F401 - a fixture
 
@@ -27,6 +27,38 @@ GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd atomics\n"
 ])
 def test_native_bf16_is_read_from_the_cpus_flags(cpuinfo, machine, native):
     assert native_bf16(cpuinfo, machine) is native
+
+
+EPYC = "flags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"  # Zen 4: bf16, no fp16 arithmetic
+GRANITE = "flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16 amx_tile\n"
+
+
+@pytest.mark.parametrize("cpuinfo, machine, native", [
+    (EPYC, "x86_64", False), (AVX2, "x86_64", False), (GRANITE, "x86_64", True),
+    (GRAVITON3, "aarch64", None), ("", "x86_64", None),  # not measured on Arm; nothing to read
+])
+def test_native_fp16_is_read_from_the_cpus_flags(cpuinfo, machine, native):
+    assert native_fp16(cpuinfo, machine) is native
+
+
+@pytest.mark.parametrize("requested, checkpoint, bf16, instead", [
+    ("auto", "float16", True, "model.dtype: bfloat16"),  # vLLM's auto keeps a float16 checkpoint's dtype
+    ("float16", "float32", True, "model.dtype: bfloat16"),
+    ("auto", "float16", False, "model.dtype: float32"),
+])
+def test_float16_on_a_cpu_without_float16_instructions_is_warned_of(monkeypatch, requested, checkpoint, bf16,
+                                                                     instead):
+    """On an AVX512-BF16 host without AVX512-FP16 the tiny model made 1,263 output tok/s at
+    float16 against 3,795 at float32 and 5,109 at bfloat16 (one core, 640 requests of 200/100)."""
+    monkeypatch.setattr("pools.engine.cpu_native_bf16", lambda: bf16)
+    monkeypatch.setattr("pools.engine.cpu_native_fp16", lambda: False)
+    dtype, slow = pool_dtype(requested, "cpu", {"torch_dtype": checkpoint})
+    assert dtype == requested and "float16 instructions" in slow and instead in slow
+    assert pool_dtype(requested, "gpu", {"torch_dtype": checkpoint}) == (requested, None)
+    monkeypatch.setattr("pools.engine.cpu_native_fp16", lambda: True)
+    assert pool_dtype(requested, "cpu", {"torch_dtype": checkpoint}) == (requested, None)
+    monkeypatch.setattr("pools.engine.cpu_native_fp16", lambda: None)  # an Arm CPU: not measured, not warned
+    assert pool_dtype(requested, "cpu", {"torch_dtype": checkpoint}) == (requested, None)
 
 
 @pytest.mark.parametrize("requested, checkpoint, native, asked, runs", [
