@@ -143,6 +143,34 @@ def test_logprobs_come_back_as_the_openai_api_returns_them(stack):
     assert len(prompt_logprobs) == scored.usage.prompt_tokens and prompt_logprobs[0] is None  # no first-token score
 
 
+def test_structured_outputs_hold_their_schema_and_a_bad_schema_is_a_400(stack):
+    """The engine compiles the grammar once a gate has admitted the request: a schema it cannot
+    compile fails as a 400 that names the problem, and the pool serves on."""
+    client = stack.client("chat")
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    r = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    # the random model fills the whitespace JSON allows until max_tokens, but the grammar holds it
+    assert r.choices[0].message.content.startswith("{"), r.choices[0].message.content
+    exact = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=64, temperature=0,
+        extra_body={"structured_outputs": {"regex": r'\{"colour":"(red|blue)"\}'}})
+    assert exact.choices[0].finish_reason == "stop", exact.choices[0].message.content
+    assert json.loads(exact.choices[0].message.content)["colour"] in ("red", "blue")
+    choice = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "Pick one."}], max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+    bad = post(stack, CHAT, ok_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "object", "properties": {"n": {"type": "no-such-type"}}}}}))
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["message"]
+    assert post(stack, CHAT, ok_body()).status_code == 200
+
+
 HIDDEN = "queue " * 1300  # about 1,300 tokens of the tiny model's tokenizer
 HIDDEN_TOKENS = {
     "tools": {"tools": [{"type": "function", "function": {"name": "lookup", "description": HIDDEN,
