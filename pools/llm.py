@@ -119,14 +119,21 @@ class PromptRenderer:
         max_logprobs, stop or logit-bias token ids outside the vocabulary, min_tokens above
         max_tokens...), as its serving layer makes them: the engine would refuse such a request
         only once a gate had admitted it, after it had waited in the queue."""
-        asked = request.max_completion_tokens if kind == "chat" else None
-        asked = asked if asked is not None else request.max_tokens
+        asked, _ = asked_tokens(kind, request)
         try:
             params = request.to_sampling_params(asked or self._model_config.max_model_len, self._sampling_defaults)
             params.verify(self._model_config, None, None, None)
         except (ValueError, TypeError, *vllm_client_errors()) as e:
             param = getattr(e, "parameter", None)
             raise SamplingError(str(e), "top_logprobs" if kind == "chat" and param == "logprobs" else param) from None
+
+
+def asked_tokens(kind: str, body: Any) -> tuple[int | None, str]:
+    """The output tokens a request asks for, and the field it asked with: on chat,
+    max_completion_tokens wins over the deprecated max_tokens, as in vLLM."""
+    if kind == "chat" and body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
 
 
 class RayLLMEngine:

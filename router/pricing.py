@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pools.llm import PromptError, PromptTooLong, SamplingError, request_models, sanitize_chat, vllm_client_errors
+from pools.llm import PromptError, PromptTooLong, SamplingError, asked_tokens, request_models, sanitize_chat
+from pools.llm import vllm_client_errors
 from pools.types import CallKind
 from router.errors import ApiError
 
@@ -66,7 +67,7 @@ class Pricer:
             raise ApiError(400, "invalid_value", f"n is {n}; it must be between 1 and {MAX_N}", "n")
         if kind == "completions":
             _one_prompt(body.prompt)
-        asked, param = _asked(kind, body)
+        asked, param = asked_tokens(kind, body)
         self._check_asked(asked, param)
         try:
             prompt = await self._counter.count(kind, body)
@@ -127,12 +128,6 @@ class Pricer:
                            f"{param} is {asked} and the prompt is {prompt} tokens: together above max_model_len "
                            f"{limit}; ask for at most {limit - prompt}", param)
         return asked
-
-
-def _asked(kind: str, body: Any) -> tuple[int | None, str]:
-    if kind == "chat" and body.max_completion_tokens is not None:
-        return body.max_completion_tokens, "max_completion_tokens"
-    return body.max_tokens, "max_tokens"
 
 
 def _prompt_param(kind: str) -> str:
