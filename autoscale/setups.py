@@ -20,6 +20,7 @@ class SetUps:
     def __init__(self) -> None:
         self._last: dict[str, tuple[float, Fingerprint]] = {}  # replica -> (last report, its set-up)
         self._unreadable: set[str] = set()  # replicas already logged
+        self._read: dict[str, tuple[dict, Fingerprint]] = {}  # replica -> its last report's fingerprint, read
         self.other_at: float | None = None  # when a set-up other than the pool's last served
 
     def read(self, stats: ReplicaStats) -> Fingerprint | None:
@@ -27,14 +28,18 @@ class SetUps:
         (a newer replica's field), which is logged once and settles nothing."""
         if not stats.fingerprint:
             return None
+        if (seen := self._read.get(stats.replica)) is not None and seen[0] == stats.fingerprint:
+            return seen[1]  # a replica reports every second, and its set-up seldom changes
         try:
-            return Fingerprint(**stats.fingerprint)
+            fingerprint = Fingerprint(**stats.fingerprint)
         except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             if stats.replica not in self._unreadable:
                 self._unreadable.add(stats.replica)
                 log.warning("pool %s replica %s: its fingerprint cannot be read, so it settles no profile: %s",
                             stats.pool, stats.replica, e)
             return None
+        self._read[stats.replica] = (dict(stats.fingerprint), fingerprint)
+        return fingerprint
 
     def note(self, replica: str, fingerprint: Fingerprint, now: float, pool_runs: Fingerprint | None) -> None:
         self._last[replica] = (now, fingerprint)

@@ -209,6 +209,19 @@ def test_a_fingerprint_this_version_cannot_read_settles_nothing_and_breaks_no_re
     assert sum("cannot be read" in r.message for r in caplog.records) == 1  # once per replica
 
 
+def test_a_replica_whose_set_up_changes_under_its_name_is_read_again():
+    """The controller keeps each replica's last fingerprint read (one a second per replica);
+    a replica that reports another set-up under the same name (its engine restarted on an
+    upgraded vLLM) must be read anew, even if its report reuses the dict it sent before."""
+    pool = Pool()
+    reported = dict(ELSEWHERE)
+    pool.report("r1", reported)
+    assert pool.c.fingerprint("p") == Fingerprint(**ELSEWHERE)
+    reported.update(FP)
+    pool.serve(GONE + 5, ("r1", reported))
+    assert pool.c.fingerprint("p") == Fingerprint(**FP)
+
+
 def test_a_sweep_that_replicas_of_another_set_up_served_is_discarded():
     """The pool runs on FP, unmeasured; a replica of the set-up it left comes back during the
     sweep, which then measures the mix: kept, it would be FP's profile on every later start."""
