@@ -1,19 +1,18 @@
-"""The autoscale controller: replica reports in, limits out, one decision per pool per tick.
+"""The autoscale controller: replica reports in, limits out, a decision per pool each tick.
 
 `Controller` is the state machine (clock injected, no Ray); `autoscale.service` is the thin
 asyncio shell that Serve deploys around it.
 
-Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and applies
-the `LimitsDirective` in the reply. The controller never calls replicas, so a replica
-that cannot reach it keeps its last limits and keeps serving. Each change of a pool's
-limits takes the pool's next epoch; replicas echo the epoch they applied, so operators
-and tools know when a change is in force (`PoolStatus.applied`).
+Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and applies the
+`LimitsDirective` in the reply (decided at once if the report shows a queue as deep as the
+batch). The controller never calls replicas, so a replica that cannot reach it keeps its last
+limits and keeps serving. Each change of a pool's limits takes the pool's next epoch; replicas
+echo the epoch they applied, so operators and tools know when it is in force (`PoolStatus.applied`).
 
 Restarts. What operators set (pins, SLOs, lending) is kept in a `StateStore` (Ray's GCS
-key-value store when deployed) and read back by a restarted controller. The target itself
-is not: a controller that starts adopts the limits the replicas report, so a restart moves
-nothing. It cannot know when the limits last moved either, so adoption counts as a change:
-the cooldown and the latency window run from it.
+key-value store when deployed) and read back by a restarted controller. The target is not: a
+new controller adopts the limits the replicas report, so a restart moves nothing; as it cannot
+know when they last moved, adoption counts as a change (the cooldown and latency window run from it).
 
 Profiles. A pool configured with a profile runs on the profile measured on its own set-up
 (model, dtype, context, hardware, vLLM, ceilings: the fingerprint its replicas report): one
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide
+from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, deep_queue
 from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
                               settle)
@@ -134,6 +133,8 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
+        elif deep_queue(self.snapshot(stats.pool), p.policy.target):
+            self._decide(stats.pool)  # at the report that shows it, not at the next tick (up to interval_s on)
         target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
         reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
@@ -149,8 +150,7 @@ class Controller:
             return None
         old = p.policy.target
         new, state, reason = decide(self.snapshot(name), p.policy, self._policy_config(p), now)
-        applied = not self._config.dry_run
-        if applied:
+        if applied := not self._config.dry_run:
             p.policy = state
             if new != old:
                 self._bump(p)
@@ -263,8 +263,8 @@ class Controller:
         return p.operator.epoch
 
     def needs_sweep(self) -> list[str]:
-        return [n for n, p in self._pools.items()
-                if p.calibration.state == "calibrating" and self._clock() >= p.sweep_after]
+        now = self._clock()
+        return [n for n, p in self._pools.items() if p.calibration.state == "calibrating" and now >= p.sweep_after]
 
     def sweep_progress(self, name: str, detail: str) -> None:
         self._pools[name].calibration = self._pools[name].calibration.model_copy(update={"detail": detail})
@@ -351,9 +351,8 @@ class Controller:
     def _set(self, p: _PoolState, **changes) -> None:
         p.operator = replace(p.operator, **changes)
         o = p.operator
-        self._store.put(f"pool/{p.spec.name}", {"pinned": o.pinned, "calibrating": o.calibrating,
-                                                "lending": o.lending, "epoch": o.epoch,
-                                                "slo": o.slo.model_dump() if o.slo else None})
+        self._store.put(f"pool/{p.spec.name}", {"pinned": o.pinned, "calibrating": o.calibrating, "lending": o.lending,
+                                                "epoch": o.epoch, "slo": o.slo.model_dump() if o.slo else None})
 
 
 def _restore(store: StateStore, name: str) -> Operator:

@@ -12,9 +12,10 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      KV usage above the watermark, or new preemptions; but a TTFT breach while a queue
      persists holds instead (see below);
   4. pressure up: a queue (or rejections) that persisted for `queue_persist_ticks`
-     ticks, or waits at the gate that bring clients' first tokens near the SLO (P99 wait
-     plus P99 engine TTFT above `headroom` x the TTFT SLO), while P99s are below
-     `headroom` x SLO and KV below `headroom` x watermark;
+     ticks, or at once a queue at least as deep as the batch (running plus waiting per
+     replica at least twice the target), or waits at the gate that bring clients' first
+     tokens near the SLO (P99 wait plus P99 engine TTFT above `headroom` x the TTFT SLO),
+     while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
      change the other way; it never leaves the range. Down is one ladder step. Up is at
@@ -147,16 +148,25 @@ def demand(snap: PoolSnapshot) -> int:
     return -(-(snap.active + snap.queued) // max(1, snap.replicas))
 
 
+def deep_queue(snap: PoolSnapshot, target: int) -> bool:
+    """A queue at least as deep as the batch (per replica): it stands at its first sight. A
+    batch of one under a load step drains and refills its queue between ticks, and waiting for
+    it to show at two ticks in a row cost a benchmark's step 4-10 s of first tokens near the
+    SLO (bench/notes.md)."""
+    return snap.fresh and snap.queued > 0 and demand(snap) >= 2 * target
+
+
 def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:
     """The next step up, or further: the smallest step that holds `wanted` (the top at most)."""
     holds = next((s for s in steps if s >= wanted), steps[-1])
     return max(_step(steps, current, +1), holds)
 
 
-def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preempts: int,
+def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: int, new_preempts: int,
               queue_ticks: int) -> tuple[int, str, str]:
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
-    queue_persists = queue_ticks >= cfg.queue_persist_ticks
+    deep = deep_queue(snap, target)
+    queue_persists = queue_ticks >= cfg.queue_persist_ticks or deep
     ttft_breach = cfg.breach(snap, "slo_ttft") is not None
     if ttft_breach and not queue_persists:
         return -1, "slo_ttft", f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms"
@@ -181,7 +191,8 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, new_rejects: int, new_preem
     if new_rejects:
         code, pull = "rejections", f"{new_rejects} rejections"
     elif queue_persists:
-        code, pull = "queue", f"a queue of {snap.queued} for {queue_ticks} ticks"
+        code, pull = "queue", (f"a queue of {snap.queued} for {queue_ticks} ticks" if not deep else
+                               f"a queue of {snap.queued}, as deep as a batch of {target}")
     else:
         code, pull = "wait", f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
     if not headroom_ok:
@@ -220,7 +231,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if state.down_code:
         state = _forget_breach(snap, state, cfg, now)
 
-    direction, code, why = _pressure(snap, cfg, new_rejects, new_preempts, queue_ticks)
+    direction, code, why = _pressure(snap, cfg, state.target, new_rejects, new_preempts, queue_ticks)
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None

@@ -65,6 +65,26 @@ def test_the_controller_meets_a_load_step_in_one_move():
     assert "to 16, the top of the safe range (42 sequences running and waiting" in moves[0].reason
 
 
+def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_it():
+    """Ticks come every `interval_s` (5 s by default) and replicas report every second: a queue
+    at least as deep as the batch is decided at the report, whose directive carries the new
+    limit. A shallower queue waits for its ticks; cooldowns, settling and pins hold as ever."""
+    c, clock = controller()
+    c.report(stats(seqs=2))
+    clock.t = 100  # past the adoption's cooldown and latency window
+    assert c.report(stats(seqs=2, queued=1)).limits.max_active_seqs == 2
+    assert c.report(stats(seqs=2, queued=2)).limits.max_active_seqs == 4  # 4 wanted: twice the batch
+    assert [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new] == [(2, 4, "queue")]
+    clock.t = 110
+    assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 4  # the move's cooldown
+    assert c.decisions()[-1].code == "cooldown"
+    clock.t = 100 + max(c._config.cooldown_s, c._config.latency_window_s) + 1
+    assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 16
+    c.pin("p", 2)
+    clock.t += 1000
+    assert c.report(stats(seqs=2, queued=40)).limits.max_active_seqs == 2
+
+
 def test_an_up_move_says_which_step_holds_the_demand():
     new, _, reason = decide(snap(queued=3, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
     assert new == 8 and "to 8, which holds the 5 sequences running and waiting per replica" in reason.text
@@ -181,7 +201,7 @@ def test_unpinning_is_no_change_once_the_pinned_limit_has_held_a_while(before):
     clock.t = 100  # the pin has held for longer than the cooldown and the latency window
     c.unpin("p")
     moves = _queue_until_a_move(c, clock, seqs=2)
-    assert [(d.old, d.new, d.time) for d in moves] == [(2, 16, 110)]  # the queue's second tick
+    assert [(d.old, d.new, d.time) for d in moves] == [(2, 16, 105)]  # the first tick: 40 wait for a batch of 2
 
 
 def test_a_pin_that_moved_the_limit_counts_as_a_change_from_the_pin_not_as_a_reversal():

@@ -42,6 +42,12 @@ CASES = [
     ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
      "preemption"),
     ("queue for one tick waits", snap(queued=5), PolicyState(8), 8, "hold", "idle"),
+    ("a queue as deep as the batch moves at its first tick", snap(queued=8, active=8), PolicyState(8), 16, "up",
+     "queue"),
+    ("a queue as deep as the batch is per replica", snap(queued=8, active=16, replicas=2), PolicyState(8), 8,
+     "hold", "idle"),
+    ("ttft breach under a queue as deep as the batch holds", snap(ttft_p99_s=1.5, queued=8, active=8),
+     PolicyState(8), 8, "hold", "slo_ttft_queued"),
     ("a queue deeper than the next step goes to the step that holds it", snap(queued=3, active=2),
      PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
@@ -213,16 +219,18 @@ def test_a_breach_the_batch_drives_is_followed_down():
 def test_contention_under_a_standing_queue_does_not_ratchet_the_limit_down():
     """Another engine on the same cores keeps this pool's engine TTFT above the SLO whatever
     its batch; a queue stands. One step down before the queue counts as standing, then the
-    limit holds instead of falling to the bottom of the range."""
-    state = PolicyState(target=16)
-    reasons = []
-    for i in range(200):
-        _, state, reason = decide(snap(ttft_p99_s=3.0, queued=40), state, CFG, NOW + 5 * i)
-        reasons.append(reason)
-    assert (reasons[0].action, reasons[0].code) == ("down", "slo_ttft")
-    assert all(r.action == "hold" for r in reasons[1:])
-    assert {r.code for r in reasons[10:]} == {"slo_ttft_queued"}
-    assert state.target == 8
+    limit holds instead of falling to the bottom of the range; a queue as deep as the batch
+    stands from its first tick."""
+    for queued, first, bottom in ((10, "down", 8), (40, "hold", 16)):
+        state = PolicyState(target=16)
+        reasons = []
+        for i in range(200):
+            _, state, reason = decide(snap(ttft_p99_s=3.0, queued=queued), state, CFG, NOW + 5 * i)
+            reasons.append(reason)
+        assert (reasons[0].action, reasons[0].code) == (first, "slo_ttft" if first == "down" else "slo_ttft_queued")
+        assert all(r.action == "hold" for r in reasons[1:])
+        assert {r.code for r in reasons[10:]} == {"slo_ttft_queued"}
+        assert state.target == bottom
 
 
 def test_stale_stats_hold_forever():
