@@ -34,6 +34,7 @@ role (from /proc), and for poolserve its pools' reports sampled every half secon
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
@@ -164,12 +165,12 @@ def flood_round(t: Target, raw: Path, stack=None) -> dict:
 
 
 def _vllm_bench(url: str, endpoint: str, key: str, lengths: tuple[int, int], prompts: int, concurrency: int,
-                raw: Path) -> dict:
+                raw: Path, seed: int) -> dict:
     env = {**os.environ, "OPENAI_API_KEY": key}
     cmd = [sys.executable, "-m", "bench.vllm_bench", "--base-url", url, "--endpoint", endpoint,
            "--model", "tiny-llama", "--tokenizer", model(), "--dataset-name", "random",
            "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]), "--ignore-eos",
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", "0",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(seed),
            "--save-result", "--save-detailed", "--result-dir", str(raw.parent), "--result-filename", raw.name,
            "--disable-tqdm"]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -181,28 +182,41 @@ def _vllm_bench(url: str, endpoint: str, key: str, lengths: tuple[int, int], pro
     return out
 
 
-def ceiling_round(name: str, raw: Path) -> dict:
-    """One ceiling measurement of the path `name`, with the CPU each process used."""
+def round_seeds(order: list[str]) -> list[int]:
+    """The prompts' seed of each round in `order`: the k-th round of every path sends the same
+    prompts, and no path sends a round's prompts twice. With one seed for all, an engine that
+    stays up between rounds found the prompts of its earlier rounds in its prefix cache and
+    skipped their prefill, and the fresh raw engine never did (run 20261203-134502: vLLM's server
+    and stock one pool 7% and 11% above their first round in their later ones)."""
+    seeds, sent = [], collections.Counter()
+    for path in order:
+        seeds.append(sent[path])
+        sent[path] += 1
+    return seeds
+
+
+def ceiling_round(name: str, raw: Path, seed: int) -> dict:
+    """One ceiling measurement of the path `name` on the prompts of `seed`, with the CPU each process used."""
     prompts, conc = CEILING_PROMPTS, CEILING_CONCURRENCY
     before, t0 = procs.snapshot(), time.monotonic()
     if name == "raw-engine":
         run = subprocess.run([sys.executable, "-m", "bench.raw_engine", "--model", model(),
                               "--prompts", str(prompts), "--input", str(CEILING_LENGTHS[0]),
                               "--output", str(CEILING_LENGTHS[1]), "--seqs", str(CEILING_SEQS),
-                              "--out", str(raw.with_suffix(".json"))],
+                              "--seed", str(seed), "--out", str(raw.with_suffix(".json"))],
                              cwd=REPO, env=engine_env("1"), capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"raw engine failed: {run.stderr[-2000:]}")
         out = json.loads(raw.with_suffix(".json").read_text())
         return {"output_tok_s": out["output_tok_s"], "output_tokens": out["output_tokens"]}
     if name == "batch-job":
-        return _batch_job(raw)
+        return _batch_job(raw, seed)
     url, endpoint, key = {
         "vllm-server": (f"http://127.0.0.1:{VLLM_PORT}", "/v1/completions", "none"),
         "poolserve": ("http://127.0.0.1:8000", "/offline/v1/completions", KEYS["batch"]),
         "stock-one-pool": ("http://127.0.0.1:8000", "/stock-one/v1/completions", "none"),
     }[name]
-    out = _vllm_bench(url, endpoint, key, CEILING_LENGTHS, prompts, conc, raw.with_suffix(".json"))
+    out = _vllm_bench(url, endpoint, key, CEILING_LENGTHS, prompts, conc, raw.with_suffix(".json"), seed)
     cpu = procs.cpu_by_role(before, procs.snapshot())
     seconds = time.monotonic() - t0
     return {"output_tok_s": out["output_throughput"], "output_tokens": out["total_output_tokens"],
@@ -210,12 +224,12 @@ def ceiling_round(name: str, raw: Path) -> dict:
             "wall_s": seconds}
 
 
-def _batch_job(raw: Path) -> dict:
+def _batch_job(raw: Path, seed: int) -> dict:
     """The same prompts as a batch job sends them: whole, through the router, at the ceiling's
     concurrency; output tok/s from the job's start to its last answer."""
     from infra.traffic import make_prompt
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     inp, out = raw.with_suffix(".in.jsonl"), raw.with_suffix(".out.jsonl")
     inp.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
         "model": "tiny-llama", "prompt": make_prompt(CEILING_LENGTHS[0], rng), "max_tokens": CEILING_LENGTHS[1],
@@ -236,10 +250,10 @@ def _batch_job(raw: Path) -> dict:
             "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in cpu.items()}, "wall_s": seconds}
 
 
-def c1_round(name: str, raw: Path) -> dict:
+def c1_round(name: str, raw: Path, seed: int) -> dict:
     url, endpoint, key = {"vllm-server": (f"http://127.0.0.1:{VLLM_PORT}", "/v1/completions", "none"),
                           "poolserve": ("http://127.0.0.1:8000", "/online/v1/completions", KEYS["chat"])}[name]
-    out = _vllm_bench(url, endpoint, key, ONLINE_LENGTHS, C1_PROMPTS, 1, raw.with_suffix(".json"))
+    out = _vllm_bench(url, endpoint, key, ONLINE_LENGTHS, C1_PROMPTS, 1, raw.with_suffix(".json"), seed)
     return {"ttft_p50_ms": out["median_ttft_ms"], "ttft_p99_ms": out["p99_ttft_ms"],
             "tpot_p50_ms": out["median_tpot_ms"]}
 
@@ -316,17 +330,18 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             order = [p for _ in range(ceiling_rounds) for p in paths]
             rng.shuffle(order)
             out["ceiling_order"] = order
-            for i, name in enumerate(order):
+            for i, (name, prompts) in enumerate(zip(order, round_seeds(order))):
                 procs.wait_quiet(quiet)
                 step(f"ceiling round {i}: {name}")
-                r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}")
-                out["ceiling"].append({"round": i, "path": name, **r})
+                r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}", prompts)
+                out["ceiling"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
                 _keep(out)
                 step(f"  {r['output_tok_s']:.0f} output tok/s")
-            for i, name in enumerate(["vllm-server", "poolserve"] * ceiling_rounds):
+            c1 = ["vllm-server", "poolserve"] * ceiling_rounds
+            for i, (name, prompts) in enumerate(zip(c1, round_seeds(c1))):
                 procs.wait_quiet(quiet)
-                r = c1_round(name, raw / f"c1-{i:02d}-{name}")
-                out["c1"].append({"round": i, "path": name, **r})
+                r = c1_round(name, raw / f"c1-{i:02d}-{name}", prompts)
+                out["c1"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
                 _keep(out)
                 step(f"concurrency 1, {name}: TTFT P50 {r['ttft_p50_ms']:.1f} ms")
             # where poolserve's serving processes spend their CPU at the ceiling (an extra,
@@ -339,7 +354,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             spy = threading.Thread(target=lambda: out.__setitem__(
                 "profiles", {k: str(v.relative_to(REPO)) for k, v in profile(pids, 15, raw / "profile").items()}))
             spy.start()
-            ceiling_round("poolserve", raw / "profile-run")
+            ceiling_round("poolserve", raw / "profile-run", ceiling_rounds)  # prompts no round sent
             spy.join()
         finally:
             server.terminate()

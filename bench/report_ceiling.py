@@ -98,8 +98,10 @@ def _ceiling(d: dict) -> list[str]:
             lines.append(f"| {name} | {_spread([r['ttft_p50_ms'] for r in rounds], 1)} | "
                          f"{_spread([r['ttft_p99_ms'] for r in rounds], 1)} | "
                          f"{_spread([r['tpot_p50_ms'] for r in rounds], 1)} |")
+    seeds = ("; the k-th round of every path on the prompts of seed k, so that no engine finds a round's prompts "
+             "in its prefix cache" if all("prompt_seed" in r for r in d.get("ceiling", [])) else "")
     return ["**Ceiling**, one engine on core 1 with 64 sequences, each path in shuffled rounds "
-            f"({d.get('ceiling_order')}):", "", *lines, ""]
+            f"({d.get('ceiling_order')}){seeds}:", "", *lines, ""]
 
 
 def _serving(d: dict, raw: Path) -> list[str]:

@@ -151,3 +151,16 @@ def test_ceiling_compresses_only_the_large_raw_files(tmp_path):
     # the run records its profiles under these names (a profile past the bound once went missing)
     assert renamed == {f"{tmp_path.name}/big.json": f"{tmp_path.name}/big.json.gz"}
     assert gzip.decompress((tmp_path / "big.json.gz").read_bytes()) == b"x" * 100
+
+
+def test_no_ceiling_path_sends_the_prompts_of_one_of_its_rounds_again():
+    """An engine that stays up between rounds kept the prompts of its earlier rounds in its
+    prefix cache, where the raw engine starts afresh each round: every round of a path gets
+    prompts of its own, and the k-th rounds of all paths the same ones."""
+    ceiling = importlib.import_module("bench.ceiling")
+    order = ["raw-engine", "poolserve", "poolserve", "batch-job", "raw-engine", "poolserve", "batch-job"]
+    seeds = ceiling.round_seeds(order)
+    by_path: dict[str, list[int]] = {}
+    for path, seed in zip(order, seeds):
+        by_path.setdefault(path, []).append(seed)
+    assert by_path == {"raw-engine": [0, 1], "poolserve": [0, 1, 2], "batch-job": [0, 1]}
