@@ -8,7 +8,8 @@ from pools.config import Frozen
 
 
 class AutoscaleConfig(Frozen):
-    interval_s: float = Field(5.0, gt=0, description="Seconds between decisions.")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between decisions (a deep queue is decided at the "
+                                                    "report that shows it).")
     report_interval_s: float = Field(1.0, gt=0, description="Seconds between replica reports.")
     cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change.")
     reversal_cooldown_s: float = Field(90.0, ge=0, description="Minimum time before reversing direction.")

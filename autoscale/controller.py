@@ -28,11 +28,12 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, deep_queue
+from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, deep_queue, own_load
 from autoscale.profile import Fingerprint, Profile, SLOSpec
+from autoscale.operators import Operator, restore
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
                               settle)
 from autoscale.setups import GONE_AFTER_REPORTS, SetUps
@@ -43,17 +44,6 @@ from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinRe
 from pools.types import SafeRange
 
 log = logging.getLogger("poolserve.autoscale")
-
-
-@dataclass(frozen=True)
-class Operator:
-    """What operators set on a pool: kept across controller restarts."""
-
-    pinned: int | None = None
-    calibrating: bool = False
-    lending: bool = True
-    slo: SloJson | None = None  # None: the config's
-    epoch: int = 0  # the highest epoch handed out, so a restarted controller never reuses one
 
 
 @dataclass
@@ -110,8 +100,9 @@ class Controller:
         self._config, self._clock, self._wall = config, clock, wall_clock
         self._store = store or MemoryStore()
         self._profiles = profiles or ProfileStore(MemoryStore())
-        self._pools = {name: _PoolState(spec, _restore(self._store, name)) for name, spec in specs.items()}
+        self._pools = {name: _PoolState(spec, restore(self._store, name)) for name, spec in specs.items()}
         self._log: collections.deque[DecisionJson] = collections.deque(maxlen=config.decision_log_size)
+        self._between: list[DecisionJson] = []  # moves made at reports, returned with the next tick's
 
     # -- replica protocol --------------------------------------------------------
 
@@ -133,8 +124,10 @@ class Controller:
             # and the replicas' P99s may predate that move: count its cooldown and settling from now.
             p.policy = PolicyState(target=adopted, last_change_at=now)
             log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
-        elif deep_queue(self.snapshot(stats.pool), p.policy.target):
-            self._decide(stats.pool)  # at the report that shows it, not at the next tick (up to interval_s on)
+        elif (not self._config.dry_run and _pinned(p) is None
+              and deep_queue(*own_load(fresh := self.replica_stats(stats.pool)), len(fresh), p.policy.target)
+              and (moved := self._decide(stats.pool, at_tick=False)) is not None):
+            self._between.append(moved)  # up at once, not at the next tick
         target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
         reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
@@ -142,14 +135,19 @@ class Controller:
     # -- decisions ---------------------------------------------------------------
 
     def tick(self) -> list[DecisionJson]:
-        return [d for name in self._pools if (d := self._decide(name)) is not None]
+        """This tick's decisions, after the moves made at reports since the last one."""
+        between, self._between = self._between, []
+        return between + [d for name in self._pools if (d := self._decide(name)) is not None]
 
-    def _decide(self, name: str) -> DecisionJson | None:
+    def _decide(self, name: str, at_tick: bool = True) -> DecisionJson | None:
         p, now = self._pools[name], self._clock()
         if p.policy is None or _pinned(p) is not None:
             return None
         old = p.policy.target
-        new, state, reason = decide(self.snapshot(name), p.policy, self._policy_config(p), now)
+        cfg = _policy_config(self._config, self.allowed(name), self.slo(name))
+        new, state, reason = decide(self.snapshot(name), p.policy, cfg, now, at_tick)
+        if not at_tick and reason.action != "up":  # only an up move is made between ticks
+            return None
         if applied := not self._config.dry_run:
             p.policy = state
             if new != old:
@@ -160,25 +158,8 @@ class Controller:
                                last_direction=p.policy.last_direction)
         decision = DecisionJson(time=self._wall(), pool=name, old=old, new=new, action=reason.action,
                                 code=reason.code, reason=reason.text, applied=applied)
-        self._remember(p, decision, reason)
+        _remember(self._log, p, decision, reason)
         return decision
-
-    def _remember(self, p: _PoolState, d: DecisionJson, reason: Reason) -> None:
-        key = f"{d.action}:{d.code}"
-        if d.old != d.new or key != p.last_logged:
-            self._log.append(d)
-            p.last_logged = key
-            level = logging.INFO if d.old != d.new else logging.DEBUG
-            log.log(level, "pool %s: %d -> %d %s%s", d.pool, d.old, d.new, reason,
-                    "" if d.applied else " (dry run, not applied)")
-
-    def _policy_config(self, p: _PoolState) -> PolicyConfig:
-        c, slo = self._config, self.slo(p.spec.name)
-        return PolicyConfig(
-            safe_range=self.allowed(p.spec.name), ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
-            cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
-            headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
-            settle_s=c.latency_window_s, min_step_gain=c.min_step_gain)
 
     # -- views -------------------------------------------------------------------
 
@@ -355,34 +336,23 @@ class Controller:
                                                 "epoch": o.epoch, "slo": o.slo.model_dump() if o.slo else None})
 
 
-def _restore(store: StateStore, name: str) -> Operator:
-    try:
-        return _operator(name, store.get(f"pool/{name}"))
-    except (ValueError, TypeError, OSError) as e:  # pydantic's and json's errors are ValueErrors
-        log.warning("pool %s: the saved operator settings (pool/%s) cannot be read, so the config's hold: %s",
-                    name, name, e)
-        return Operator()
+def _remember(decisions: collections.deque[DecisionJson], p: _PoolState, d: DecisionJson, reason: Reason) -> None:
+    """Into the decision log: every move, and a hold when its reason differs from the last one logged."""
+    key = f"{d.action}:{d.code}"
+    if d.old != d.new or key != p.last_logged:
+        decisions.append(d)
+        p.last_logged = key
+        level = logging.INFO if d.old != d.new else logging.DEBUG
+        log.log(level, "pool %s: %d -> %d %s%s", d.pool, d.old, d.new, reason,
+                "" if d.applied else " (dry run, not applied)")
 
 
-def _operator(name: str, saved: Any) -> Operator:
-    """Operator settings as `Controller._set` saved them; ValueError for any other shape (another
-    version's, a damaged key): read as they are, a text pin made every report raise."""
-    if not saved:
-        return Operator()
-    if not isinstance(saved, dict):
-        raise ValueError(f"a {type(saved).__name__}, not a mapping")
-    pinned, epoch = saved.get("pinned"), saved.get("epoch", 0)
-    flags = {k: saved.get(k, default) for k, default in (("calibrating", False), ("lending", True))}
-    if pinned is not None and (type(pinned) is not int or pinned < 1):
-        raise ValueError(f"pinned {pinned!r} is not a batch size")
-    if type(epoch) is not int or epoch < 0:
-        raise ValueError(f"epoch {epoch!r} is not a count")
-    if not all(isinstance(v, bool) for v in flags.values()):
-        raise ValueError(f"calibrating and lending must be true or false: {flags}")
-    slo = SloJson.model_validate(saved["slo"]) if saved.get("slo") is not None else None
-    op = Operator(pinned=pinned, epoch=epoch, slo=slo, **flags)
-    log.info("pool %s: restored operator settings %s", name, op)
-    return op
+def _policy_config(c: AutoscaleConfig, allowed: SafeRange, slo: SloJson) -> PolicyConfig:
+    return PolicyConfig(
+        safe_range=allowed, ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
+        cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
+        headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
+        settle_s=c.latency_window_s, min_step_gain=c.min_step_gain)
 
 
 def _view(p: _PoolState, seqs: int, now: float, max_age: float) -> PoolView:

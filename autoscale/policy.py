@@ -10,10 +10,10 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
   2. a target outside the safe range is clamped into it at once (safety beats cooldown);
   3. pressure down: P99 engine TTFT or P99 TPOT above the SLO (with enough samples),
      KV usage above the watermark, or new preemptions; but a TTFT breach while a queue
-     persists holds instead (see below);
+     persists, or is deep (rule 4), holds instead (see below);
   4. pressure up: a queue (or rejections) that persisted for `queue_persist_ticks`
-     ticks, or at once a queue at least as deep as the batch (running plus waiting per
-     replica at least twice the target), or waits at the gate that bring clients' first
+     ticks, or at once a deep queue (`deep_queue`: the pool's own work running and waiting
+     per replica at least twice the target), or waits at the gate that bring clients' first
      tokens near the SLO (P99 wait plus P99 engine TTFT above `headroom` x the TTFT SLO),
      while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
@@ -110,8 +110,10 @@ def aggregate(reports: Sequence[ReplicaStats]) -> PoolSnapshot:
     ttft = [x for s in reports for x in s.latency.ttft_s]
     tpot = [x for s in reports for x in s.latency.tpot_s]
     wait = [x for s in reports for x in s.latency.wait_s]
+    running, waiting = own_load(reports)
     return PoolSnapshot(
         fresh=True, replicas=len(reports), queued=sum(s.gate.queued for s in reports),
+        own_running=running, own_queued=waiting,
         queued_tokens=sum(s.gate.queued_tokens for s in reports), active=sum(s.gate.active for s in reports),
         rejected_total=sum(s.gate.rejected + s.gate.evicted for s in reports),
         preemptions_total=sum(s.engine.preemptions for s in reports),
@@ -148,12 +150,19 @@ def demand(snap: PoolSnapshot) -> int:
     return -(-(snap.active + snap.queued) // max(1, snap.replicas))
 
 
-def deep_queue(snap: PoolSnapshot, target: int) -> bool:
-    """A queue at least as deep as the batch (per replica): it stands at its first sight. A
-    batch of one under a load step drains and refills its queue between ticks, and waiting for
-    it to show at two ticks in a row cost a benchmark's step 4-10 s of first tokens near the
-    SLO (bench/notes.md)."""
-    return snap.fresh and snap.queued > 0 and demand(snap) >= 2 * target
+def own_load(reports: Sequence[ReplicaStats]) -> tuple[int, int]:
+    """The pool's own sequences running and requests waiting, over `reports` (`GateStats.own_load`)."""
+    loads = [s.gate.own_load for s in reports]
+    return sum(r for r, _ in loads), sum(w for _, w in loads)
+
+
+def deep_queue(running: int, waiting: int, replicas: int, target: int) -> bool:
+    """The pool's own work waits in a queue at least as deep as the batch (per replica): such a
+    queue stands at its first sight. A batch of one under a load step drains and refills its
+    queue between ticks, and waiting for it to show at two ticks in a row cost a benchmark's
+    step 4-10 s of first tokens near the SLO (bench/notes.md). Borrowed work is the lender's
+    to send home, not a reason to grow."""
+    return waiting > 0 and running + waiting >= 2 * target * replicas
 
 
 def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:
@@ -165,7 +174,7 @@ def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:
 def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: int, new_preempts: int,
               queue_ticks: int) -> tuple[int, str, str]:
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
-    deep = deep_queue(snap, target)
+    deep = snap.fresh and deep_queue(snap.own_running, snap.own_queued, snap.replicas, target)
     queue_persists = queue_ticks >= cfg.queue_persist_ticks or deep
     ttft_breach = cfg.breach(snap, "slo_ttft") is not None
     if ttft_breach and not queue_persists:
@@ -192,7 +201,8 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: i
         code, pull = "rejections", f"{new_rejects} rejections"
     elif queue_persists:
         code, pull = "queue", (f"a queue of {snap.queued} for {queue_ticks} ticks" if not deep else
-                               f"a queue of {snap.queued}, as deep as a batch of {target}")
+                               f"{snap.own_queued} of the pool's own requests waiting, as many as a batch of {target} "
+                               "or more")
     else:
         code, pull = "wait", f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
     if not headroom_ok:
@@ -212,7 +222,9 @@ def _waits_near_the_slo(snap: PoolSnapshot, cfg: PolicyConfig) -> bool:
     return snap.wait_p99_s + (snap.ttft_p99_s or 0.0) > cfg.headroom * cfg.ttft_slo_s
 
 
-def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float) -> tuple[int, PolicyState, Reason]:
+def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float,
+           at_tick: bool = True) -> tuple[int, PolicyState, Reason]:
+    """`at_tick` False: a decision between ticks (a deep queue at a report), which counts no tick."""
     steps = cfg.safe_range.steps
     if not snap.fresh:
         return state.target, state, Reason("hold", "stale", "stats missing or stale")
@@ -225,7 +237,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
 
     new_rejects = 0 if state.seen_rejected is None else max(0, snap.rejected_total - state.seen_rejected)
     new_preempts = 0 if state.seen_preemptions is None else max(0, snap.preemptions_total - state.seen_preemptions)
-    queue_ticks = state.queue_ticks + 1 if snap.queued > 0 else 0
+    queue_ticks = state.queue_ticks if not at_tick else state.queue_ticks + 1 if snap.queued > 0 else 0
     state = replace(state, queue_ticks=queue_ticks, seen_rejected=snap.rejected_total,
                     seen_preemptions=snap.preemptions_total)
     if state.down_code:

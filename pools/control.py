@@ -24,7 +24,7 @@ from pools.types import BatchLimits, EngineStats, GateStats, LatencySample, Safe
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """A pool replica's report to the controller, every tick."""
+    """A pool replica's report to the controller, every `report_interval_s`."""
 
     pool: str
     replica: str
@@ -130,6 +130,8 @@ class PoolSnapshot(Frozen):
     queued: int = 0
     queued_tokens: int = 0
     active: int = 0
+    own_running: int = 0  # the pool's own sequences, at most each replica's limit (`GateStats.own_load`)
+    own_queued: int = 0
     rejected_total: int = 0
     preemptions_total: int = 0
     kv_usage: float = 0.0

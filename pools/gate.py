@@ -314,12 +314,12 @@ class AdmissionGate:
         return min(max(estimate, q.min_retry_after_s), q.max_retry_after_s)
 
     def stats(self) -> GateStats:
-        now = self._clock()
-        oldest, lent = self._oldest_enqueue(), len(self._classes[PriorityClass.BORROWED])
+        now, oldest, lent = self._clock(), self._oldest_enqueue(), len(self._classes[PriorityClass.BORROWED])
         own = len(self._active) + len(self._queued) - self._borrowed_requests - lent
         return GateStats(
             active=self._active_seqs, active_requests=len(self._active), borrowed_requests=self._borrowed_requests,
-            inflight_tokens=self._inflight_tokens, queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
+            borrowed_seqs=self._borrowed_seqs, inflight_tokens=self._inflight_tokens,
+            queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
             queued_tokens=self._queued_tokens, oldest_wait_s=0.0 if oldest is None else now - oldest, limits=self._limits,
             **{k: self._counts[k] for k in ("admitted", "rejected", "cancelled", "evicted", "completed")},
             peak_active=self._peak, own_idle_s=0.0 if own else now - self._own_seen)

@@ -203,6 +203,7 @@ class GateStats:
     peak_active: int = 0  # most sequences active at once since the limits last changed
     active_requests: int = 0
     borrowed_requests: int = 0  # of the active requests, those of another pool (or a calibration sweep)
+    borrowed_seqs: int = 0  # the sequences of those
     own_idle_s: float = float("inf")  # since the pool's own traffic last ran or waited here (0: it does now)
 
     @property
@@ -214,6 +215,13 @@ class GateStats:
     @property
     def queued(self) -> int:
         return sum(self.queued_by_class.values())
+
+    @property
+    def own_load(self) -> tuple[int, int]:
+        """The pool's own sequences running, at most the applied limit (those above a limit just
+        lowered are leaving), and its own requests waiting: what a deep queue is judged on."""
+        running = min(self.active - self.borrowed_seqs, self.limits.max_active_seqs)
+        return running, self.queued - self.queued_by_class.get("borrowed", 0)
 
 
 @dataclass(frozen=True)

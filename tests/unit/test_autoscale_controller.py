@@ -7,7 +7,7 @@ import pytest
 
 from autoscale.config import AutoscaleConfig
 from autoscale.controller import Controller, PoolSpec
-from autoscale.policy import PolicyState, decide
+from autoscale.policy import PolicyState, aggregate, decide
 from pools.control import ReplicaStats
 from pools.types import EngineStats, GateStats, LatencySample
 from tests.unit.test_autoscale_policy import CFG, NOW, RANGE, snap
@@ -77,12 +77,84 @@ def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_i
     assert [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new] == [(2, 4, "queue")]
     clock.t = 110
     assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 4  # the move's cooldown
-    assert c.decisions()[-1].code == "cooldown"
+    assert c.decisions()[-1].new == 4  # a hold waits for the tick to be logged
     clock.t = 100 + max(c._config.cooldown_s, c._config.latency_window_s) + 1
     assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 16
     c.pin("p", 2)
     clock.t += 1000
     assert c.report(stats(seqs=2, queued=40)).limits.max_active_seqs == 2
+
+
+def test_a_move_made_at_a_report_is_returned_with_the_next_tick():
+    """The service counts what `tick()` returns in its metrics: a move made at a report must
+    be among them, once."""
+    c, clock = controller()
+    c.report(stats(seqs=2))
+    clock.t = 100
+    c.report(stats(seqs=2, queued=2))
+    ticked = [(d.old, d.new, d.action) for d in c.tick()]
+    assert ticked[0] == (2, 4, "up") and len(ticked) == 2  # the move, then the tick's own decision
+    assert [d.action for d in c.tick()] == ["hold"]
+
+
+def test_a_deep_queue_seen_at_a_report_counts_no_tick():
+    """A deep queue held back at a report (latency inside the band) counted as a tick of its
+    queue: the next tick's queue of one then stood after that single tick and moved the pool."""
+    c, clock = controller()
+    c.report(stats(seqs=2))
+    clock.t = 100
+    c.tick()
+    c.report(stats(seqs=2, queued=2, ttft=(0.8,) * 20))  # deep, but P99 TTFT in the hysteresis band
+    assert c.target("p") == 2
+    clock.t = 105
+    c.report(stats(seqs=2, queued=1))
+    assert [(d.action, d.code) for d in c.tick()] == [("hold", "idle")] and c.target("p") == 2
+
+
+def test_a_dry_run_makes_no_decisions_at_reports():
+    """Nothing moves in a dry run, so a deep queue stays deep: deciding at every report logged
+    one decision per report of every replica, and pushed other pools' out of the log."""
+    c, clock = controller(dry_run=True)
+    c.report(stats(seqs=4))
+    clock.t = 100
+    logged = len(c.decisions(1000))
+    for _ in range(20):
+        clock.t += 0.5
+        c.report(stats(seqs=4, queued=20))
+    assert len(c.decisions(1000)) == logged
+    assert [(d.action, d.applied) for d in c.tick()] == [("up", False)]
+
+
+def test_a_report_without_a_deep_queue_computes_no_percentiles(monkeypatch):
+    """Replicas report every second: the check for a deep queue reads counts, not latencies."""
+    import autoscale.controller as controller_module
+
+    calls = []
+    monkeypatch.setattr(controller_module, "aggregate", lambda reports: calls.append(1) or aggregate(reports))
+    c, clock = controller()
+    c.report(stats(seqs=4))
+    for _ in range(16):
+        clock.t += 1
+        c.report(stats(seqs=4, queued=3))
+    assert calls == []
+
+
+def test_only_the_pools_own_work_under_its_limit_makes_a_deep_queue():
+    """Borrowed requests (another pool's, which the lender sends home when it needs its slots)
+    and sequences still running above a limit just lowered made a queue look deep."""
+    import dataclasses
+
+    c, clock = controller()
+    c.report(stats(seqs=4))
+    clock.t = 100
+    lent = stats(seqs=4)
+    lent = dataclasses.replace(lent, gate=dataclasses.replace(lent.gate, borrowed_requests=4, borrowed_seqs=4,
+                                                              queued_by_class={"borrowed": 4}))
+    assert c.report(lent).limits.max_active_seqs == 4
+    leaving = stats(seqs=4, queued=1)
+    leaving = dataclasses.replace(leaving, gate=dataclasses.replace(leaving.gate, active=16))  # limit 4, 16 running
+    assert c.report(leaving).limits.max_active_seqs == 4
+    assert c.report(stats(seqs=4, queued=4)).limits.max_active_seqs == 8  # its own: deep
 
 
 def test_an_up_move_says_which_step_holds_the_demand():
@@ -201,7 +273,7 @@ def test_unpinning_is_no_change_once_the_pinned_limit_has_held_a_while(before):
     clock.t = 100  # the pin has held for longer than the cooldown and the latency window
     c.unpin("p")
     moves = _queue_until_a_move(c, clock, seqs=2)
-    assert [(d.old, d.new, d.time) for d in moves] == [(2, 16, 105)]  # the first tick: 40 wait for a batch of 2
+    assert [(d.old, d.new, d.time) for d in moves] == [(2, 16, 105)]  # the first report: 40 wait for a batch of 2
 
 
 def test_a_pin_that_moved_the_limit_counts_as_a_change_from_the_pin_not_as_a_reversal():

@@ -22,6 +22,11 @@ def snap(**kw) -> PoolSnapshot:
     return CALM.model_copy(update=kw)
 
 
+def own(running: int, waiting: int, **kw) -> PoolSnapshot:
+    """A snapshot whose sequences running and requests waiting are all the pool's own."""
+    return snap(active=running, queued=waiting, own_running=running, own_queued=waiting, **kw)
+
+
 NOW = 1000.0
 CASES = [
     # (name, snapshot, state, expected target, action, code)
@@ -42,12 +47,12 @@ CASES = [
     ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
      "preemption"),
     ("queue for one tick waits", snap(queued=5), PolicyState(8), 8, "hold", "idle"),
-    ("a queue as deep as the batch moves at its first tick", snap(queued=8, active=8), PolicyState(8), 16, "up",
-     "queue"),
-    ("a queue as deep as the batch is per replica", snap(queued=8, active=16, replicas=2), PolicyState(8), 8,
-     "hold", "idle"),
-    ("ttft breach under a queue as deep as the batch holds", snap(ttft_p99_s=1.5, queued=8, active=8),
-     PolicyState(8), 8, "hold", "slo_ttft_queued"),
+    ("a queue as deep as the batch moves at its first tick", own(8, 8), PolicyState(8), 16, "up", "queue"),
+    ("a queue as deep as the batch is per replica", own(16, 8, replicas=2), PolicyState(8), 8, "hold", "idle"),
+    ("ttft breach under a queue as deep as the batch holds", own(8, 8, ttft_p99_s=1.5), PolicyState(8), 8,
+     "hold", "slo_ttft_queued"),
+    ("a deep queue of borrowed work is no reason to grow", snap(queued=8, active=8), PolicyState(8), 8, "hold",
+     "idle"),
     ("a queue deeper than the next step goes to the step that holds it", snap(queued=3, active=2),
      PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
@@ -225,7 +230,7 @@ def test_contention_under_a_standing_queue_does_not_ratchet_the_limit_down():
         state = PolicyState(target=16)
         reasons = []
         for i in range(200):
-            _, state, reason = decide(snap(ttft_p99_s=3.0, queued=queued), state, CFG, NOW + 5 * i)
+            _, state, reason = decide(own(0, queued, ttft_p99_s=3.0), state, CFG, NOW + 5 * i)
             reasons.append(reason)
         assert (reasons[0].action, reasons[0].code) == (first, "slo_ttft" if first == "down" else "slo_ttft_queued")
         assert all(r.action == "hold" for r in reasons[1:])

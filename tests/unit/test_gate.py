@@ -272,6 +272,7 @@ def test_borrowed_work_never_blocks_the_pools_own():
     chat, ch = offer(gate, "chat", P.INTERACTIVE)
     assert ch.admitted == [chat]  # own work does not count the borrowed slots
     assert gate.stats().active == 3
+    assert gate.stats().own_load == (1, 0)  # what the autoscaler judges a deep queue on: no borrowed work
     c2, ch = offer(gate, "chat", P.INTERACTIVE)
     assert ch.admitted == [c2]
     c3, ch = offer(gate, "chat", P.INTERACTIVE)

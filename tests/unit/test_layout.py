@@ -24,7 +24,7 @@ ALLOWED = {
 ADAPTER = "pools/llm.py"
 PURE = ("pools/gate.py", "pools/kv_budget.py", "pools/types.py", "router/quota.py", "router/policy.py",
         "autoscale/policy.py", "autoscale/knee.py", "autoscale/profile.py", "router/files.py", "router/batches.py",
-        "infra/batchfile.py")
+        "infra/batchfile.py", "autoscale/operators.py", "autoscale/setups.py")
 
 
 def modules() -> list[Path]:
