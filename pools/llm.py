@@ -7,8 +7,11 @@ code and its tests never load them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, NamedTuple
+
+from pools.types import CountedPrompt
 
 log = logging.getLogger("poolserve.pool")
 
@@ -58,13 +61,23 @@ class PromptTooLong(PromptError):
         self.tokens = tokens
 
 
+class Rendering(NamedTuple):
+    """A request as vLLM's renderer left it (its tool parser may have adjusted it) and what
+    the renderer returned: (conversation, engine inputs) for a chat, engine inputs for a
+    completion."""
+
+    request: Any
+    result: Any
+
+
 class PromptRenderer:
     """vLLM's own engine-less renderer, configured as the pool engines are, so the router
     counts exactly the prompt tokens an engine will see: the chat template with `tools`,
     `documents`, `chat_template_kwargs`, assistant `tool_calls`, every content part,
     truncation and special tokens, as vLLM renders them (Ray LLM's pre-routing tokenizer
     builds the same renderer). Building it loads the tokenizer and model config (a
-    fraction of a second); each count renders one deep copy of the request."""
+    fraction of a second); each count renders one deep copy of the request, and keeps the
+    `Rendering` for an engine in the same process (`RayLLMEngine.generate`)."""
 
     def __init__(self, llm_config: Any) -> None:
         from vllm.entrypoints.chat_utils import load_chat_template
@@ -86,12 +99,13 @@ class PromptRenderer:
             enable_auto_tools=frontend.enable_auto_tool_choice,
             exclude_tools_when_tool_choice_none=frontend.exclude_tools_when_tool_choice_none,
             tool_parser=frontend.tool_call_parser,
+            reasoning_parser=vllm_config.structured_outputs_config.reasoning_parser,
             default_chat_template_kwargs=frontend.default_chat_template_kwargs,
         )
 
-    async def count(self, kind: str, body: Any) -> int:
-        """Prompt tokens of a validated chat or completion request; PromptError when vLLM
-        would refuse it."""
+    async def count(self, kind: str, body: Any) -> Any:
+        """A `CountedPrompt` of a validated chat or completion request, with its
+        `Rendering`; PromptError when vLLM would refuse it."""
         import jinja2
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.renderers.inputs.preprocess import extract_prompt_len
@@ -103,7 +117,7 @@ class PromptRenderer:
                 result = await self._renderer.render_chat(request, skip_mm_cache=True)
                 inputs = result if isinstance(result, ErrorResponse) else result[1]
             else:
-                inputs = await self._renderer.render_completion(request, skip_mm_cache=True)
+                result = inputs = await self._renderer.render_completion(request, skip_mm_cache=True)
         except (ValueError, TypeError, KeyError, jinja2.TemplateError, *vllm_client_errors()) as e:
             if getattr(e, "parameter", None) == "input_tokens":  # vLLM's own context-length check
                 raise PromptTooLong(str(e), getattr(e, "value", None)) from None
@@ -112,7 +126,7 @@ class PromptRenderer:
             raise PromptError(f"{type(e).__name__}: {e}") from None
         if isinstance(inputs, ErrorResponse):
             raise PromptError(inputs.error.message)
-        return sum(extract_prompt_len(self._model_config, x) for x in inputs)
+        return CountedPrompt(sum(extract_prompt_len(self._model_config, x) for x in inputs), Rendering(request, result))
 
     def _check_sampling(self, kind: str, request: Any) -> None:
         """vLLM's own checks of the sampling parameters against the model (logprobs above its
@@ -152,6 +166,7 @@ class RayLLMEngine:
         self.stats_box = StatsBox()
         self._engine: Any = None
         self._vllm_config: Any = None
+        self._handover: _Handover | None = None
 
     async def start(self) -> None:
         import asyncio
@@ -164,6 +179,10 @@ class RayLLMEngine:
         if not needs_node_download(self._llm_config):
             self._llm_config.get_or_create_callback().ctx.run_init_node = False
         await asyncio.wait_for(self._engine.start(), self.START_TIMEOUT_S)
+        if (handover := _Handover.install(self._engine)) is None:
+            log.warning("the engine's serving layers have no one renderer to stand in for: every prompt is "
+                        "rendered twice, by the route and by the engine")
+        self._handover = handover
 
     def facts(self):
         import vllm
@@ -182,11 +201,24 @@ class RayLLMEngine:
                                             c.scheduler_config.enable_chunked_prefill))
 
     def generate(self, call: Any):
+        """The engine's stream for a call; a call the route rendered in this process runs the
+        request its renderer left, and the engine's serving layer takes the rendering instead
+        of rendering the prompt a second time."""
         from pools.engine import batched
 
-        body = call.body.model_copy(update={"priority": int(call.priority)})  # vLLM runs lower values first
-        stream = getattr(self._engine, call.kind)(body, None)
+        rendering = call.rendered
+        body = (call.body if rendering is None else rendering.request).model_copy(
+            update={"priority": int(call.priority)})  # vLLM runs lower values first
+        if rendering is None or self._handover is None:
+            stream = getattr(self._engine, call.kind)(body, None)
+        else:
+            stream = self._handed(call.kind, body, rendering.result)
         return batched(stream, self._interval_s) if getattr(body, "stream", False) else stream
+
+    async def _handed(self, kind: str, body: Any, result: Any):
+        with self._handover.holding(body, result):
+            async for item in getattr(self._engine, kind)(body, None):
+                yield item
 
     async def warm_up(self, requests: int) -> None:
         """Short requests of growing batch sizes: the first ones after a start compile kernels."""
@@ -216,6 +248,56 @@ class RayLLMEngine:
             await self._engine.shutdown()
             if (client := getattr(self._engine, "_engine_client", None)) is not None:
                 client.shutdown()
+
+
+class _Handover:
+    """Stands in for the engine's serving-layer renderer (vLLM's `OnlineRenderer`): a request
+    held here, matched by identity, gets back what the route's renderer made of it, once;
+    every other request is rendered as before. The serving layer's own checks (model,
+    preflight) still run; only the template and the tokenizer's second pass are saved."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._held: dict[int, tuple[Any, Any]] = {}
+
+    @classmethod
+    def install(cls, engine: Any) -> "_Handover | None":
+        servings = [s for s in (engine._oai_serving_chat, engine._oai_serving_completion) if s is not None]
+        inners = {id(s.online_renderer): s.online_renderer for s in servings}
+        if len(inners) != 1:  # vLLM's app state shares one renderer; anything else renders as it did
+            return None
+        handover = cls(next(iter(inners.values())))
+        for serving in servings:
+            serving.online_renderer = handover
+        return handover
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @contextlib.contextmanager
+    def holding(self, request: Any, result: Any):
+        self._held[id(request)] = (request, result)
+        try:
+            yield
+        finally:
+            self._held.pop(id(request), None)
+
+    def _take(self, request: Any) -> Any:
+        held = self._held.get(id(request))
+        if held is None or held[0] is not request:
+            return None
+        del self._held[id(request)]
+        return held[1]
+
+    async def render_chat(self, request: Any, **kwargs: Any) -> Any:
+        if (result := self._take(request)) is not None:
+            return result
+        return await self._inner.render_chat(request, **kwargs)
+
+    async def render_completion(self, request: Any, **kwargs: Any) -> Any:
+        if (result := self._take(request)) is not None:
+            return result
+        return await self._inner.render_completion(request, **kwargs)
 
 
 def needs_node_download(llm_config: Any) -> bool:

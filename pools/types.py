@@ -6,7 +6,7 @@ The router and the autoscaler import these; nothing here imports Ray or vLLM.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
@@ -88,6 +88,15 @@ CallKind = Literal["chat", "completions"]
 
 
 @dataclass(frozen=True)
+class CountedPrompt:
+    """A request's prompt tokens as a renderer counted them; `rendered`, if the renderer
+    keeps it, is the request as rendering left it with the engine inputs it made."""
+
+    tokens: int
+    rendered: Any = None
+
+
+@dataclass(frozen=True)
 class PoolCall:
     """One request as the router hands it to a pool replica.
 
@@ -111,6 +120,12 @@ class PoolCall:
     # holds less than this share of its limit (the borrower's rule, judged where it is exact)
     lend_after_quiet_s: float = 0.0
     lend_below_utilisation: float = 1.0
+    # what the route's renderer made of the prompt, for an engine in the same process to take
+    # instead of rendering it again; never pickled: another process's engine renders its own
+    rendered: Any = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "rendered": None}
 
     @property
     def cost(self) -> int:

@@ -123,7 +123,7 @@ class Router:
         if self._s.router.log_prompts:
             log.info("tenant=%s prompt=%s", s.tenant.name, json.dumps(_prompt_of(priced.body))[:4000])
         call = PoolCall(priced.kind, priced.body, s.tenant.name, s.tenant.weight, priority, priced.prompt_tokens,
-                        priced.max_tokens, include_usage=priced.client_usage, n=priced.n)
+                        priced.max_tokens, include_usage=priced.client_usage, n=priced.n, rendered=priced.rendered)
         plan = self._plan(home, priority)
         for i, attempt in enumerate(plan):
             s.dispatch(attempt.pool, attempt.borrowed)

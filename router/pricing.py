@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from pools.llm import PromptError, PromptTooLong, SamplingError, asked_tokens, request_models, sanitize_chat
 from pools.llm import vllm_client_errors
-from pools.types import CallKind
+from pools.types import CallKind, CountedPrompt
 from router.errors import ApiError
 
 # Request fields that belong to the operator, not to a tenant: rejected with a 400.
@@ -33,7 +33,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /completions; chat's is
 
 
 class PromptCounter(Protocol):
-    async def count(self, kind: str, body: Any) -> int: ...
+    async def count(self, kind: str, body: Any) -> CountedPrompt: ...
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class PricedRequest:
     max_tokens: int  # per sequence
     n: int
     client_usage: bool  # the client asked for the usage chunk of a stream
+    rendered: Any = None  # the counter's rendering, handed to an engine in the same process
 
     @property
     def stream(self) -> bool:
@@ -70,7 +71,7 @@ class Pricer:
         asked, param = asked_tokens(kind, body)
         self._check_asked(asked, param)
         try:
-            prompt = await self._counter.count(kind, body)
+            counted = await self._counter.count(kind, body)
         except PromptTooLong as e:
             at_least = f"at least {e.tokens}" if e.tokens else "more than max_model_len allows of"
             raise ApiError(400, "context_length_exceeded", f"the prompt is {at_least} tokens and {param} is "
@@ -79,7 +80,9 @@ class Pricer:
         except PromptError as e:
             raise ApiError(400, "invalid_request", f"the engine would refuse this request: {e}",
                            e.parameter if isinstance(e, SamplingError) else _prompt_param(kind))
-        return PricedRequest(kind, body, prompt, self._max_tokens(kind, asked, param, prompt), n, client_usage)
+        prompt = counted.tokens
+        return PricedRequest(kind, body, prompt, self._max_tokens(kind, asked, param, prompt), n, client_usage,
+                             counted.rendered)
 
     def validate(self, kind: CallKind, data: dict) -> tuple[Any, bool]:
         """The request model of a body, or a 400 naming the field; and whether the client

@@ -199,6 +199,35 @@ def test_every_prompt_token_the_engine_renders_is_charged(stack, extra):
     assert small.status_code == 200, small.text  # the same request, small, runs
 
 
+SHORT = {name: json.loads(json.dumps(extra).replace(HIDDEN, "queue notes")) for name, extra in HIDDEN_TOKENS.items()}
+RENDERED_ONCE = [("chat/completions", ok_body(max_tokens=2, **extra)) for extra in SHORT.values()] + [
+    ("chat/completions", ok_body(max_tokens=2, response_format={"type": "json_object"})),
+    ("completions", {"prompt": "the queue of notes", "max_tokens": 2, "echo": True, "logprobs": 1}),
+    ("completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2}),
+]
+
+
+@pytest.mark.parametrize("path, body", RENDERED_ONCE, ids=[*SHORT, "json_object", "echo", "token_ids"])
+def test_the_engine_runs_the_prompt_the_route_rendered(stack, path, body):
+    """The pool's own route renders a prompt in the pool's process and hands the rendering to
+    its engine; the control application's `/v1` route reaches the same pool by handle, where
+    the engine renders the prompt itself. Both runs see the same prompt token ids, charged in
+    full, and the echo is the same prompt."""
+    def both(body: dict) -> list[dict]:
+        answers = [post(stack, f"{prefix}/{path}", body) for prefix in ("/online/v1", "/v1")]
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        return [a.json() for a in answers]
+
+    answers = both({**body, "return_token_ids": True})
+    if path == "completions":
+        seen = [a["choices"][0]["prompt_token_ids"] for a in answers]
+    else:
+        seen = [a["prompt_token_ids"] for a in answers]
+    assert seen[0] == seen[1] and len(seen[0]) == answers[0]["usage"]["prompt_tokens"] > 0
+    if body.get("echo"):  # vLLM echoes no text when it returns token ids
+        assert all(a["choices"][0]["text"].startswith(body["prompt"]) for a in both(body))
+
+
 def test_a_burst_the_gate_can_hold_is_never_shed(stack):
     """At a limit of 2 and a queue of 64, a burst of 66 requests fits: two run, 64 wait. The
     router sheds at its edge only when its waiting requests fill the queue *and* every seat a

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import httpx
 
 from pools.control import PoolView
-from pools.types import Admitted, Finished, PriorityClass, Usage
+from pools.types import Admitted, CountedPrompt, Finished, PriorityClass, Usage
 from router.app import RouterSettings
 from router.ingress import ROUTES, Endpoints, make_app
 from router.config import QuotaConfig, RouterConfig, TenantConfig
@@ -108,10 +108,10 @@ class FakeController:
 class WordCounter:
     """A prompt's tokens are its words (the real count is vLLM's renderer's)."""
 
-    async def count(self, kind: str, body: Any) -> int:
+    async def count(self, kind: str, body: Any) -> CountedPrompt:
         if kind == "chat":
-            return sum(len(str(m.get("content") or "").split()) for m in body.messages) + 2
-        return len(body.prompt.split()) if isinstance(body.prompt, str) else len(body.prompt)
+            return CountedPrompt(sum(len(str(m.get("content") or "").split()) for m in body.messages) + 2)
+        return CountedPrompt(len(body.prompt.split()) if isinstance(body.prompt, str) else len(body.prompt))
 
 
 TENANTS = (

@@ -11,7 +11,7 @@ class CountingCounter(WordCounter):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def count(self, kind, body) -> int:
+    async def count(self, kind, body):
         self.calls.append(kind)
         return await super().count(kind, body)
 
