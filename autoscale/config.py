@@ -16,7 +16,8 @@ class AutoscaleConfig(Frozen):
     stats_max_age_s: float = Field(10.0, gt=0, description="Older reports count as missing: hold.")
     latency_window_s: float = Field(
         30.0, gt=0, description="P99s are over the requests that finished in this many seconds; a move that rests on "
-                                "latency waits this long after a change, so that its evidence postdates it.")
+                                "latency waits this long after a change, so that its evidence postdates it (an up move on a deep "
+                                "queue waits its cooldown only).")
     min_step_gain: float = Field(
         0.1, ge=0, lt=1, description="A second step down for the same SLO breach needs the first to have lowered "
                                      "that P99 by this fraction; otherwise the limit holds.")

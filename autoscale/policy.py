@@ -24,7 +24,10 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      high phase never drained (bench/notes.md), where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
-     evidence was measured at the current limit and not the one before;
+     evidence was measured at the current limit and not the one before. An up move on a
+     deep queue waits its cooldown only: the queue is counted at the current limit, and a
+     first move too small for a load step could not be followed for a whole latency window
+     (a benchmark's 2 -> 4 came 23 s after its 1 -> 2, bench/notes.md);
   8. a second step down for the same SLO breach needs the first to have helped: the
      breaching P99 `min_step_gain` lower than when the limit last stepped down for it
      (the breach counts as over only after a whole `settle_s` measured under the SLO).
@@ -54,7 +57,7 @@ from pools.types import SafeRange
 @dataclass(frozen=True)
 class Reason:
     action: str  # "up" | "down" | "hold" | "clamp"
-    code: str  # e.g. "slo_ttft", "queue", "cooldown", "stale"
+    code: str  # e.g. "slo_ttft", "queue", "deep_queue", "cooldown", "stale"
     text: str
 
     def __str__(self) -> str:
@@ -199,10 +202,11 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: i
     )
     if new_rejects:
         code, pull = "rejections", f"{new_rejects} rejections"
+    elif deep:
+        code, pull = "deep_queue", (f"{snap.own_queued} of the pool's own requests waiting beside {snap.own_running} "
+                                    f"running: twice a batch of {target} or more")
     elif queue_persists:
-        code, pull = "queue", (f"a queue of {snap.queued} for {queue_ticks} ticks" if not deep else
-                               f"{snap.own_queued} of the pool's own requests waiting, as many as a batch of {target} "
-                               "or more")
+        code, pull = "queue", f"a queue of {snap.queued} for {queue_ticks} ticks"
     else:
         code, pull = "wait", f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
     if not headroom_ok:
@@ -260,7 +264,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
             kind = "reversal_cooldown" if reversing else "cooldown"
             return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "
                                                              f"wants {'up' if direction > 0 else 'down'}: {why}")
-        if (direction > 0 or level is not None) and waited < cfg.settle_s:
+        if (direction > 0 and code != "deep_queue" or level is not None) and waited < cfg.settle_s:
             return state.target, state, Reason("hold", "settling", f"P99s still include requests from before the "
                                                                    f"last change ({cfg.settle_s - waited:.0f}s left); "
                                                                    f"wants {'up' if direction > 0 else 'down'}: {why}")

@@ -47,7 +47,7 @@ CASES = [
     ("new preemptions step down", snap(preemptions_total=3), PolicyState(8, seen_preemptions=1), 4, "down",
      "preemption"),
     ("queue for one tick waits", snap(queued=5), PolicyState(8), 8, "hold", "idle"),
-    ("a queue as deep as the batch moves at its first tick", own(8, 8), PolicyState(8), 16, "up", "queue"),
+    ("a queue as deep as the batch moves at its first tick", own(8, 8), PolicyState(8), 16, "up", "deep_queue"),
     ("a queue as deep as the batch is per replica", own(16, 8, replicas=2), PolicyState(8), 8, "hold", "idle"),
     ("ttft breach under a queue as deep as the batch holds", own(8, 8, ttft_p99_s=1.5), PolicyState(8), 8,
      "hold", "slo_ttft_queued"),
@@ -166,6 +166,8 @@ SETTLE = replace(CFG, settle_s=45)
     (35, snap(ttft_p99_s=1.5), "hold", "settling"),  # past the cooldown, not the settle time
     (50, snap(ttft_p99_s=1.5), "down", "slo_ttft"),
     (35, snap(queued=5), "hold", "settling"),  # up rests on latency headroom too
+    (35, own(8, 8), "up", "deep_queue"),  # but not on a deep queue, counted at the current limit
+    (25, own(8, 8), "hold", "cooldown"),  # which still waits for the cooldown
     (35, snap(kv_usage=0.95), "down", "kv"),  # KV is read now, not over a window
 ])
 def test_latency_moves_wait_until_the_window_postdates_the_change(since, snapshot, action, code):
