@@ -88,10 +88,10 @@ def way_run(stack, way: str, low: int, high: int, repetition: int, round_: int, 
                 p.wait()
         stop.set()
         sampler.join()
-    moves = [{k: getattr(d, k) for k in ("old", "new", "action", "code", "reason")} | {"at_s": round(d.time - wall, 1)}
-             for d in stack.admin.decisions(500) if d.pool == POOL and d.time >= wall and d.old != d.new
-             and d.action != "pin"]
-    return {"limits": trace, "moves": moves}
+    mine = [{k: getattr(d, k) for k in ("old", "new", "action", "code", "reason")} | {"at_s": round(d.time - wall, 1)}
+            for d in stack.admin.decisions(500) if d.pool == POOL and d.time >= wall]
+    moves = [d for d in mine if d["old"] != d["new"] and d["action"] != "pin"]
+    return {"limits": trace, "moves": moves, "decisions": mine}  # the holds too: why a move came when it did
 
 
 def run(stack, runs: int = RUNS, seed: int = 0, results: Path = RESULTS) -> dict:
