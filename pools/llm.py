@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, NamedTuple
 
 from pools.types import CountedPrompt
@@ -69,13 +70,23 @@ class Rendering(NamedTuple):
     request: Any
     result: Any
 
+    @property
+    def inputs(self) -> list:
+        return self.result[1] if isinstance(self.result, tuple) else self.result
+
+    @property
+    def text_only(self) -> bool:
+        """Token prompts only: an image the route processed never reached the engine's
+        multimodal cache, which must see every item its engine core is sent."""
+        return all(x.get("type") == "token" for x in self.inputs)
+
 
 class PromptRenderer:
     """vLLM's own engine-less renderer, configured as the pool engines are, so the router
     counts exactly the prompt tokens an engine will see: the chat template with `tools`,
     `documents`, `chat_template_kwargs`, assistant `tool_calls`, every content part,
     truncation and special tokens, as vLLM renders them (Ray LLM's pre-routing tokenizer
-    builds the same renderer). Building it loads the tokenizer and model config (a
+    builds one alike, without the reasoning parser). Building it loads the tokenizer and model config (a
     fraction of a second); each count renders one deep copy of the request, and keeps the
     `Rendering` for an engine in the same process (`RayLLMEngine.generate`)."""
 
@@ -207,9 +218,11 @@ class RayLLMEngine:
         from pools.engine import batched
 
         rendering = call.rendered
+        if rendering is not None and not (self._handover is not None and rendering.text_only):
+            rendering = None  # the engine renders the request as the client sent it
         body = (call.body if rendering is None else rendering.request).model_copy(
             update={"priority": int(call.priority)})  # vLLM runs lower values first
-        if rendering is None or self._handover is None:
+        if rendering is None:
             stream = getattr(self._engine, call.kind)(body, None)
         else:
             stream = self._handed(call.kind, body, rendering.result)
@@ -254,7 +267,10 @@ class _Handover:
     """Stands in for the engine's serving-layer renderer (vLLM's `OnlineRenderer`): a request
     held here, matched by identity, gets back what the route's renderer made of it, once;
     every other request is rendered as before. The serving layer's own checks (model,
-    preflight) still run; only the template and the tokenizer's second pass are saved."""
+    preflight) still run; only the template and the tokenizer's second pass are saved. The
+    inputs arrive when they are handed over: vLLM stamps an input's arrival when it renders
+    it, and the engine measures TTFT from that stamp (the autoscaler's engine TTFT, which
+    must not hold the gate's queue) and orders a priority class by it."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -272,6 +288,8 @@ class _Handover:
         return handover
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet (a copy): no endless lookup
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     @contextlib.contextmanager
@@ -287,7 +305,10 @@ class _Handover:
         if held is None or held[0] is not request:
             return None
         del self._held[id(request)]
-        return held[1]
+        now, result = time.time(), held[1]
+        if isinstance(result, tuple):
+            return result[0], [{**x, "arrival_time": now} for x in result[1]]
+        return [{**x, "arrival_time": now} for x in result]
 
     async def render_chat(self, request: Any, **kwargs: Any) -> Any:
         if (result := self._take(request)) is not None:

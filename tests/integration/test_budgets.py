@@ -61,6 +61,24 @@ def test_limit_two_holds_then_eight_applies_without_restart(stack):
         assert r["replica"] == replica_before  # same replica: no restart
 
 
+def test_the_engines_ttft_is_measured_from_admission(stack):
+    """The autoscaler reads the engine's TTFT apart from the wait in the gate's queue: a queue
+    read as a TTFT breach would step a limit down. The route renders a prompt before the gate
+    and hands that rendering to the engine in its process; vLLM stamps an input's arrival when
+    it renders it, so the engine's TTFT held the whole queue until the handover stamped it anew.
+    Six requests at a limit of one: the last waits for five answers of 48 tokens, and the
+    engine's own part of every first token is one short prefill."""
+    pool = "online-chat"
+    with stack.pinned(pool, 1):
+        stack.wait_idle(pool)
+        wait_for(lambda: stack.pools()[pool]["snapshot"]["samples"] == 0, 60, what="an empty latency window")
+        with ThreadPoolExecutor(max_workers=6) as ex:
+            assert list(ex.map(lambda _: _chat(stack, 48), range(6))) == [48] * 6
+        snap = wait_for(lambda: (lambda s: s if s["samples"] >= 6 and s["wait_samples"] >= 5 else None)(
+            stack.pools()[pool]["snapshot"]), 10, what="the six requests' latencies")
+    assert snap["ttft_p99_s"] < snap["wait_p99_s"] / 2, snap
+
+
 def test_client_disconnect_mid_stream_frees_its_slot(stack):
     pool = "online-chat"
     with stack.pinned(pool, 2):

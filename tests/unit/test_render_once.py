@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
+import time
 
 from pydantic import BaseModel
 
@@ -32,11 +33,11 @@ class ServingRenderer:
 
     async def render_completion(self, request, **kwargs):
         self.rendered.append(request.prompt)
-        return [{"prompt_token_ids": [len(request.prompt)]}]
+        return [{"type": "token", "prompt_token_ids": [len(request.prompt)], "arrival_time": time.time()}]
 
     async def render_chat(self, request, **kwargs):
         self.rendered.append(request.prompt)
-        return [], [{"prompt_token_ids": [len(request.prompt)]}]
+        return [], [{"type": "token", "prompt_token_ids": [len(request.prompt)], "arrival_time": time.time()}]
 
 
 class FakeVLLMEngine:
@@ -77,25 +78,56 @@ async def drain(stream) -> list:
     return [x async for x in stream]
 
 
+def tokens(*ids: int, at: float = 0.0) -> dict:
+    return {"type": "token", "prompt_token_ids": list(ids), "arrival_time": at}
+
+
 def test_the_engine_takes_the_routes_rendering_and_its_adjusted_request():
     e, fake = engine()
     request = Body(prompt="hello there", adjusted=True)
-    routed = Rendering(request, [{"prompt_token_ids": [7, 8, 9]}])
+    routed = Rendering(request, [tokens(7, 8, 9)])
     for stream in (False, True):
         out = asyncio.run(drain(e.generate(call(rendered=routed, stream=stream))))
         items = [x for chunk in out for x in (chunk if isinstance(chunk, list) else [chunk])]
-        assert items == [{"inputs": [{"prompt_token_ids": [7, 8, 9]}], "priority": 2, "adjusted": True}]
-    chat = Rendering(request, ([], [{"prompt_token_ids": [1]}]))
-    assert asyncio.run(drain(e.generate(call("chat", rendered=chat))))[0]["inputs"] == [{"prompt_token_ids": [1]}]
+        assert [(x["inputs"][0]["prompt_token_ids"], x["priority"], x["adjusted"]) for x in items] == [([7, 8, 9], 2, True)]
+    chat = Rendering(request, ([], [tokens(1)]))
+    assert asyncio.run(drain(e.generate(call("chat", rendered=chat))))[0]["inputs"][0]["prompt_token_ids"] == [1]
     assert fake.inner.rendered == []  # the serving layer never rendered a prompt
     assert e._handover._held == {}
     assert e._handover.chat_template == "kept"  # the rest of the renderer is the engine's own
 
 
+def test_a_handed_rendering_arrives_when_it_is_handed_over():
+    """vLLM stamps an input's arrival when it renders it and measures the engine's TTFT from it:
+    the route's rendering was made before the gate, and kept that stamp, so the engine's TTFT
+    (the autoscaler's signal) held the whole wait in the gate's queue."""
+    e, _ = engine()
+    routed = Rendering(Body(prompt="p"), [tokens(7, at=1.0)])
+    chat = Rendering(Body(prompt="p"), ([], [tokens(7, at=1.0)]))
+    before = time.time()
+    seen = [asyncio.run(drain(e.generate(call(kind, rendered=r))))[0]["inputs"][0]["arrival_time"]
+            for kind, r in (("completions", routed), ("chat", chat))]
+    assert all(t >= before for t in seen)
+    assert routed.result[0]["arrival_time"] == chat.result[1][0]["arrival_time"] == 1.0  # the route's own left as it was
+
+
 def test_a_call_without_a_rendering_is_rendered_by_the_engine_as_before():
     e, fake = engine()
     out = asyncio.run(drain(e.generate(call())))
-    assert out[0]["inputs"] == [{"prompt_token_ids": [len("hello there")]}] and fake.inner.rendered == ["hello there"]
+    assert out[0]["inputs"][0]["prompt_token_ids"] == [len("hello there")] and fake.inner.rendered == ["hello there"]
+
+
+def test_what_cannot_be_handed_over_is_rendered_by_the_engine_from_the_clients_request():
+    """An image's rendering never reached the engine's multimodal cache; an engine whose serving
+    layers share no renderer takes no rendering. Either renders the request as the client sent
+    it, not the one the route's tool parser already adjusted."""
+    e, fake = engine()
+    image = Rendering(Body(prompt="p", adjusted=True), [{"type": "multimodal", "prompt_token_ids": [1]}])
+    out = asyncio.run(drain(e.generate(call(rendered=image))))
+    assert fake.inner.rendered == ["hello there"] and out[0]["adjusted"] is False
+    e._handover = None
+    out = asyncio.run(drain(e.generate(call(rendered=Rendering(Body(prompt="p", adjusted=True), [tokens(1)])))))
+    assert fake.inner.rendered == ["hello there"] * 2 and out[0]["adjusted"] is False
 
 
 def test_a_rendering_serves_only_its_own_request_and_only_once():
@@ -105,12 +137,13 @@ def test_a_rendering_serves_only_its_own_request_and_only_once():
         e, fake = engine()
         request = Body(prompt="same words")
         handover = e._handover
-        with handover.holding(request, ["held"]):
-            assert await handover.render_completion(Body(prompt="same words")) != ["held"]
-            assert await handover.render_completion(request) == ["held"]
-            assert await handover.render_completion(request) != ["held"]  # used once
+        held = [tokens(42)]
+        with handover.holding(request, held):
+            assert (await handover.render_completion(Body(prompt="same words")))[0]["prompt_token_ids"] != [42]
+            assert (await handover.render_completion(request))[0]["prompt_token_ids"] == [42]
+            assert (await handover.render_completion(request))[0]["prompt_token_ids"] != [42]  # used once
         fake.fail_before_render = True
-        assert await drain(e.generate(call(rendered=Rendering(request, ["unused"])))) == [{"error": "model"}]
+        assert await drain(e.generate(call(rendered=Rendering(request, [tokens(43)])))) == [{"error": "model"}]
         return handover._held, fake.inner.rendered
 
     held, rendered = asyncio.run(go())
@@ -120,7 +153,7 @@ def test_a_rendering_serves_only_its_own_request_and_only_once():
 def test_a_client_that_leaves_mid_stream_leaves_nothing_held():
     async def go():
         e, _ = engine()
-        stream = e.generate(call(rendered=Rendering(Body(prompt="x"), ["r"])))
+        stream = e.generate(call(rendered=Rendering(Body(prompt="x"), [tokens(1)])))
         await stream.__anext__()
         await stream.aclose()
         return e._handover._held
@@ -129,7 +162,7 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held():
 
 
 def test_a_call_never_carries_a_rendering_to_another_process():
-    routed = call(rendered=Rendering(Body(prompt="p"), ["inputs"]))
+    routed = call(rendered=Rendering(Body(prompt="p"), [tokens(1)]))
     moved = pickle.loads(pickle.dumps(routed))
     assert moved.rendered is None and moved == routed and moved.body == routed.body
     assert dataclasses.replace(routed, borrowed=True).rendered is routed.rendered  # in-process copies keep it
