@@ -212,6 +212,8 @@ def pool_settings(resolved: Resolved, rp: ResolvedPool):
         fingerprint_base=fingerprint_base(resolved, rp),
         nice=c.replicas.nice,
         hardware=c.calibration.hardware,
+        model_dtype=m.dtype,
+        accelerator=c.engine.accelerator,
     )
 
 

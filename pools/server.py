@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from infra.logs import configure_logging
@@ -36,7 +37,7 @@ from pools import nice, reaper
 from pools.admission import AsyncGate, GateRejected
 from pools.config import Fingerprint
 from pools.control import Describe, LimitsDirective, NiceJson, ReplicaStats
-from pools.engine import Engine, hardware_name
+from pools.engine import Engine, hardware_name, pool_dtype, read_hf_config
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
 from pools.llm import vllm_client_errors
 from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, PoolCall, Refused,
@@ -61,6 +62,8 @@ class PoolSettings:
     warmup_requests: int = 8
     nice: int = 0  # Linux nice of the engine processes (pools.nice)
     hardware: str | None = None  # the fingerprint's hardware, when the config overrides what is detected
+    model_dtype: str | None = None  # `model.dtype` as configured, decided again on the replica's CPU (`own_dtype`)
+    accelerator: str = "cpu"
 
 
 def _replica_name() -> str:
@@ -100,6 +103,28 @@ def _usage_chunk(item: str) -> Usage | None:
     return Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0))
 
 
+def own_dtype(llm_config: Any, settings: PoolSettings) -> dict[str, Any]:
+    """Ask this replica's engine for the dtype its own CPU calls for (`pools.engine.pool_dtype`)
+    and return the fingerprint base that names it. The config was resolved on the head, whose
+    CPU may have bf16 instructions this node lacks (the engine would run bfloat16 in software,
+    at half the speed) or lack those it has. A replica that cannot read the model's config.json
+    keeps the head's choice."""
+    base, kwargs = settings.fingerprint_base, llm_config.engine_kwargs
+    source = llm_config.model_loading_config.model_source
+    hf = read_hf_config(Path(source)) if settings.model_dtype is not None and isinstance(source, str) else None
+    if hf is None:
+        return base
+    dtype, slow = pool_dtype(settings.model_dtype, settings.accelerator, hf, kwargs.get("quantization"))
+    if slow:
+        log.warning("pool %s: %s", settings.name, slow)
+    if dtype != kwargs.get("dtype"):
+        log.warning("pool %s: this replica's CPU asks its engine for dtype %s where the head's asked for %s: the "
+                    "KV cache check and the in-flight token budget were sized at the head's bytes per token",
+                    settings.name, dtype, kwargs.get("dtype"))
+        kwargs["dtype"] = dtype
+    return {**base, "dtype": dtype}
+
+
 async def _refusing(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
     """The engine's stream, where an input error raised before any output (vLLM renders the
     chat template only once the request is admitted) becomes a `Refused` item instead of an
@@ -129,9 +154,11 @@ class PoolServer:
         self._metrics = PoolMetrics(settings.name, self._replica)
         self._applied_epoch = 0
         self._loops = Loops(f"pool {settings.name}")
+        self._fingerprint_base = settings.fingerprint_base
         if engine is None:
             from pools.llm import RayLLMEngine
 
+            self._fingerprint_base = own_dtype(llm_config, settings)
             engine = RayLLMEngine(llm_config, settings.stream_batching_ms)
         self._engine = engine
         await engine.start()
@@ -264,7 +291,7 @@ class PoolServer:
     def fingerprint(self) -> Fingerprint:
         facts = self._engine.facts()
         detected = facts.hardware if facts else hardware_name()
-        return Fingerprint(**self._settings.fingerprint_base, hardware=self._settings.hardware or detected,
+        return Fingerprint(**self._fingerprint_base, hardware=self._settings.hardware or detected,
                            vllm_version=facts.vllm_version if facts else "unknown", engine=facts.setup if facts else "")
 
     async def describe(self) -> Describe:
