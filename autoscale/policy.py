@@ -24,10 +24,12 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      high phase never drained (bench/notes.md), where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
-     evidence was measured at the current limit and not the one before. An up move on a
-     deep queue waits its cooldown only: the queue is counted at the current limit, and a
-     first move too small for a load step could not be followed for a whole latency window
-     (a benchmark's 2 -> 4 came 23 s after its 1 -> 2, bench/notes.md);
+     evidence was measured at the current limit and not the one before. An up move while
+     the queue is deep (rejections or not) waits its cooldown only: the queue is counted at
+     the current limit, and a first move too small for a load step could otherwise not be
+     followed for a whole latency window. Its headroom check still reads P99s that may
+     include requests from before the change: the safe range bounds the move, and a breach
+     once measured steps down (a TPOT, KV or preemption breach comes before any up move);
   8. a second step down for the same SLO breach needs the first to have helped: the
      breaching P99 `min_step_gain` lower than when the limit last stepped down for it
      (the breach counts as over only after a whole `settle_s` measured under the SLO).
@@ -175,9 +177,8 @@ def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:
 
 
 def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: int, new_preempts: int,
-              queue_ticks: int) -> tuple[int, str, str]:
+              queue_ticks: int, deep: bool) -> tuple[int, str, str]:
     ttft, tpot = snap.ttft_p99_s, snap.tpot_p99_s
-    deep = snap.fresh and deep_queue(snap.own_running, snap.own_queued, snap.replicas, target)
     queue_persists = queue_ticks >= cfg.queue_persist_ticks or deep
     ttft_breach = cfg.breach(snap, "slo_ttft") is not None
     if ttft_breach and not queue_persists:
@@ -204,7 +205,7 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: i
         code, pull = "rejections", f"{new_rejects} rejections"
     elif deep:
         code, pull = "deep_queue", (f"{snap.own_queued} of the pool's own requests waiting beside {snap.own_running} "
-                                    f"running: twice a batch of {target} or more")
+                                    f"running on {snap.replicas} replica(s): twice a batch of {target} each or more")
     elif queue_persists:
         code, pull = "queue", f"a queue of {snap.queued} for {queue_ticks} ticks"
     else:
@@ -247,7 +248,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if state.down_code:
         state = _forget_breach(snap, state, cfg, now)
 
-    direction, code, why = _pressure(snap, cfg, state.target, new_rejects, new_preempts, queue_ticks)
+    deep = deep_queue(snap.own_running, snap.own_queued, snap.replicas, state.target)
+    direction, code, why = _pressure(snap, cfg, state.target, new_rejects, new_preempts, queue_ticks, deep)
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None
@@ -264,7 +266,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
             kind = "reversal_cooldown" if reversing else "cooldown"
             return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "
                                                              f"wants {'up' if direction > 0 else 'down'}: {why}")
-        if (direction > 0 and code != "deep_queue" or level is not None) and waited < cfg.settle_s:
+        if (direction > 0 and not deep or level is not None) and waited < cfg.settle_s:
             return state.target, state, Reason("hold", "settling", f"P99s still include requests from before the "
                                                                    f"last change ({cfg.settle_s - waited:.0f}s left); "
                                                                    f"wants {'up' if direction > 0 else 'down'}: {why}")

@@ -73,8 +73,8 @@ def test_limit_rises_under_a_load_step(stack):
     # 24 clients at a limit of 4: one move to the step that holds them (or the range's top), not
     # one step per cooldown
     top = stack.pools()[POOL]["safe_range"][1]
-    assert ups and ups[-1]["code"] in ("queue", "rejections") and ups[-1]["old"] == 4, ups
-    assert ups[-1]["code"] == "rejections" or "as many as a batch" in ups[-1]["reason"], ups
+    assert ups and ups[-1]["code"] in ("deep_queue", "rejections") and ups[-1]["old"] == 4, ups
+    assert ups[-1]["code"] == "rejections" or "twice a batch of 4" in ups[-1]["reason"], ups
     assert min(16, top) <= ups[-1]["new"] <= top, ups
     print(f"\nlimit 4 -> {_target(stack)} after {rose_after:.1f}s (expected within {expected:.0f}s)")
 

@@ -176,6 +176,16 @@ def test_latency_moves_wait_until_the_window_postdates_the_change(since, snapsho
     assert (reason.action, reason.code) == (action, code), reason.text
 
 
+def test_a_deep_queue_that_also_rejects_waits_its_cooldown_only():
+    """The most overloaded pool, whose deep queue also turns requests away, is no slower to
+    move than one whose queue is only deep."""
+    state = PolicyState(8, last_change_at=NOW - 35, queue_ticks=3, seen_rejected=0)
+    _, _, reason = decide(own(8, 8, rejected_total=5), state, SETTLE, NOW)
+    assert (reason.action, reason.code) == ("up", "rejections"), reason.text
+    _, _, reason = decide(snap(queued=5, rejected_total=5), state, SETTLE, NOW)
+    assert (reason.action, reason.code) == ("hold", "settling"), reason.text  # rejections alone still settle
+
+
 def test_breach_memory_ends_with_the_breach():
     state = PolicyState(8, down_code="slo_tpot", down_level=0.2)
     _, state, _ = decide(CALM, state, CFG, NOW)
