@@ -49,9 +49,11 @@ class ModelConfig(Frozen):
                             "where the CPU has no bf16 instructions (vLLM would run bf16 in software: half the "
                             "speed, measured on an AVX2 host). Decided where the config is resolved, from the "
                             "model directory's config.json or its weights' headers (a hub id or a quantized model "
-                            "is left to vLLM) and that machine's CPU, then again by each replica on its own CPU "
-                            "where it reads the model directory (a worker's CPU may differ from the head's; the "
-                            "fingerprint names the replica's); `poolserve validate` prints it, and warns "
+                            "is left to vLLM) and that machine's CPU. A replica that reads the model directory "
+                            "decides again on its own CPU (a worker's may differ from the head's) and takes its "
+                            "choice where it needs no more KV bytes per token than the head sized the pool for, "
+                            "else keeps the head's and warns; the fingerprint names what the engine was asked "
+                            "for. `poolserve validate` prints it, and warns "
                             "where the engine would run bfloat16 without bf16 instructions, or float16 without "
                             "float16 ones (a third of float32's speed, measured on an AVX512-BF16 host).")
     quantization: str | None = Field(None, description="vLLM quantization method, e.g. awq, fp8.")

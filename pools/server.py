@@ -39,6 +39,7 @@ from pools.config import Fingerprint
 from pools.control import Describe, LimitsDirective, NiceJson, ReplicaStats
 from pools.engine import Engine, hardware_name, pool_dtype, read_hf_config
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
+from pools.kv_budget import DTYPE_BYTES, checkpoint_dtype, runs_at
 from pools.llm import vllm_client_errors
 from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, PoolCall, Refused,
                          Rejected, SafeRange, Usage)
@@ -104,24 +105,32 @@ def _usage_chunk(item: str) -> Usage | None:
 
 
 def own_dtype(llm_config: Any, settings: PoolSettings) -> dict[str, Any]:
-    """Ask this replica's engine for the dtype its own CPU calls for (`pools.engine.pool_dtype`)
-    and return the fingerprint base that names it. The config was resolved on the head, whose
-    CPU may have bf16 instructions this node lacks (the engine would run bfloat16 in software,
-    at half the speed) or lack those it has. A replica that cannot read the model's config.json
-    keeps the head's choice."""
-    base, kwargs = settings.fingerprint_base, llm_config.engine_kwargs
+    """Ask this replica's engine for the dtype its own CPU calls for (`pools.engine.pool_dtype`),
+    where that needs no more KV cache per token than the head sized the pool for, and return
+    the fingerprint base that names what it asks for. The config was resolved on the head,
+    whose CPU may lack bf16 instructions this node has (the head kept a float32 checkpoint at
+    float32; this node runs it at bfloat16, in half the KV bytes). The other way round (bf16 on
+    the head, none here) the replica keeps the head's choice, and says how to size for float32:
+    the KV check and the gate's token budget were made at the head's bytes per token. A replica
+    that cannot read the model's config.json keeps the head's choice."""
+    base, asked = settings.fingerprint_base, llm_config.engine_kwargs.get("dtype")
     source = llm_config.model_loading_config.model_source
     hf = read_hf_config(Path(source)) if settings.model_dtype is not None and isinstance(source, str) else None
-    if hf is None:
+    if hf is None or asked is None:
         return base
-    dtype, slow = pool_dtype(settings.model_dtype, settings.accelerator, hf, kwargs.get("quantization"))
-    if slow:
-        log.warning("pool %s: %s", settings.name, slow)
-    if dtype != kwargs.get("dtype"):
-        log.warning("pool %s: this replica's CPU asks its engine for dtype %s where the head's asked for %s: the "
-                    "KV cache check and the in-flight token budget were sized at the head's bytes per token",
-                    settings.name, dtype, kwargs.get("dtype"))
-        kwargs["dtype"] = dtype
+    dtype, _ = pool_dtype(settings.model_dtype, settings.accelerator, hf, llm_config.engine_kwargs.get("quantization"))
+    if dtype == asked:
+        return base
+    checkpoint = checkpoint_dtype(hf)
+    ours, heads = runs_at(dtype, checkpoint), runs_at(asked, checkpoint)
+    if DTYPE_BYTES.get(ours, 4) > DTYPE_BYTES.get(heads, 4):
+        log.warning("pool %s: this replica's CPU calls for dtype %s (%s) where the head asked for %s (%s), which "
+                    "it keeps: the KV cache check and the token budget were sized at the head's bytes per token. "
+                    "Set model.dtype: %s to size the pool for it", settings.name, dtype, ours, asked, heads, ours)
+        return base
+    log.info("pool %s: this replica's CPU asks its engine for dtype %s (%s), where the head asked for %s (%s)",
+             settings.name, dtype, ours, asked, heads)
+    llm_config.update_engine_kwargs(dtype=dtype)  # also the engine config Ray LLM built (and cached) on the head
     return {**base, "dtype": dtype}
 
 
