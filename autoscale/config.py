@@ -11,13 +11,14 @@ class AutoscaleConfig(Frozen):
     interval_s: float = Field(5.0, gt=0, description="Seconds between decisions (a deep queue is decided at the "
                                                     "report that shows it).")
     report_interval_s: float = Field(1.0, gt=0, description="Seconds between replica reports.")
-    cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change.")
+    cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change (an up move on a deep "
+                                                     "queue right after an up move waits none: that move was too small).")
     reversal_cooldown_s: float = Field(90.0, ge=0, description="Minimum time before reversing direction.")
     stats_max_age_s: float = Field(10.0, gt=0, description="Older reports count as missing: hold.")
     latency_window_s: float = Field(
         30.0, gt=0, description="P99s are over the requests that finished in this many seconds; a move that rests on "
                                 "latency waits this long after a change, so that its evidence postdates it (an up move on a deep "
-                                "queue waits its cooldown only).")
+                                "queue waits its cooldown at most).")
     min_step_gain: float = Field(
         0.1, ge=0, lt=1, description="A second step down for the same SLO breach needs the first to have lowered "
                                      "that P99 by this fraction; otherwise the limit holds.")

@@ -18,14 +18,20 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
-     change the other way; it never leaves the range. Down is one ladder step. Up is at
+     change the other way; it never leaves the range. An up move on a deep queue right after
+     an up move waits for nothing: the queue is counted at the limit that move set, and is
+     still twice as deep as it, so the move was too small (a benchmark's load step met by
+     1 -> 2 waited a cooldown for its second move, its clients' first tokens near the SLO
+     meanwhile, bench/notes.md). Each such move sizes to hold what runs and waits, so a
+     constant load moves the limit once; only a load that doubles moves it again. Down is one
+     ladder step. Up is at
      least one step, and as far as the step that holds every sequence running and waiting
      (per replica): a load step met one step per cooldown left a backlog that a benchmark's
      high phase never drained (bench/notes.md), where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
      evidence was measured at the current limit and not the one before. An up move while
-     the queue is deep (rejections or not) waits its cooldown only: the queue is counted at
+     the queue is deep (rejections or not) waits its cooldown at most: the queue is counted at
      the current limit, and a first move too small for a load step could otherwise not be
      followed for a whole latency window. Its headroom check still reads P99s that may
      include requests from before the change: the safe range bounds the move, and a breach
@@ -262,6 +268,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
         waited = now - state.last_change_at
         reversing = state.last_direction != 0 and direction != state.last_direction
         need = cfg.reversal_cooldown_s if reversing else cfg.cooldown_s
+        if direction > 0 and deep and state.last_direction > 0:
+            need = 0.0  # the queue is still deep at the limit the last up move set: it was too small
         if waited < need:
             kind = "reversal_cooldown" if reversing else "cooldown"
             return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "

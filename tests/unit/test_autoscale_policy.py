@@ -186,6 +186,54 @@ def test_a_deep_queue_that_also_rejects_waits_its_cooldown_only():
     assert (reason.action, reason.code) == ("hold", "settling"), reason.text  # rejections alone still settle
 
 
+@pytest.mark.parametrize("last_direction, snapshot, target, action, code", [
+    (+1, own(2, 3), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
+    (+1, own(2, 3, rejected_total=5), 8, "up", "rejections"),
+    (+1, own(2, 1), 2, "hold", "cooldown"),  # no longer deep: the first move may be enough
+    (+1, snap(active=2, queued=6, own_running=2), 2, "hold", "cooldown"),  # borrowed work waiting
+    (0, own(2, 3), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
+    (-1, own(2, 3), 2, "hold", "reversal_cooldown"),  # after a step down
+])
+def test_a_deep_queue_right_after_an_up_move_moves_again_at_once(last_direction, snapshot, target, action, code):
+    state = PolicyState(2, last_change_at=NOW - 1, last_direction=last_direction, queue_ticks=3, seen_rejected=0)
+    new, _, reason = decide(snapshot, state, SETTLE, NOW)
+    assert (new, reason.action, reason.code) == (target, action, code), reason.text
+
+
+LADDER = RANGE.steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.sampled_from(LADDER), replicas=st.integers(1, 4),
+       work=st.lists(st.integers(0, 300), min_size=1, max_size=60), hold_for=st.integers(1, 8))
+def test_up_moves_without_a_cooldown_need_a_load_that_doubles(start, replicas, work, hold_for):
+    """A random schedule of the pool's own work (each level held for `hold_for` reports a second
+    apart), from a limit just set by an up move: a move sooner than the cooldown after the one
+    before is an up move after an up move, on a queue at least twice the old limit per replica,
+    to no further than the step that holds it; and a level held steady moves the limit up at
+    most once without a cooldown (no runaway climb to the top on one load)."""
+    state = PolicyState(start, last_change_at=NOW, last_direction=+1)
+    now, last = NOW, (NOW, "up")
+    for level in work:
+        quick_ups = 0
+        for _ in range(hold_for):
+            now += 1.0
+            target = state.target
+            running = min(level, target * replicas)
+            new, state, reason = decide(own(running, level - running, replicas=replicas), state, CFG, now)
+            if new == target:
+                continue
+            assert new in LADDER
+            if now - last[0] < CFG.cooldown_s:
+                assert reason.action == "up" and last[1] == "up", reason.text
+                assert level >= 2 * target * replicas and level > running, reason.text
+                holds = next((x for x in LADDER if x >= -(-level // replicas)), LADDER[-1])
+                assert new == max(next(x for x in LADDER if x > target), holds), reason.text
+                quick_ups += 1
+            last = (now, reason.action)
+        assert quick_ups <= 1
+
+
 def test_breach_memory_ends_with_the_breach():
     state = PolicyState(8, down_code="slo_tpot", down_level=0.2)
     _, state, _ = decide(CALM, state, CFG, NOW)
