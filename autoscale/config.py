@@ -11,8 +11,9 @@ class AutoscaleConfig(Frozen):
     interval_s: float = Field(5.0, gt=0, description="Seconds between decisions (a deep queue is decided at the "
                                                     "report that shows it).")
     report_interval_s: float = Field(1.0, gt=0, description="Seconds between replica reports.")
-    cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change (an up move on a deep "
-                                                     "queue right after an up move waits none: that move was too small).")
+    cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change (but an up move on a deep "
+                                                     "queue right after an up move waits none, once: that move was too "
+                                                     "small).")
     reversal_cooldown_s: float = Field(90.0, ge=0, description="Minimum time before reversing direction.")
     stats_max_age_s: float = Field(10.0, gt=0, description="Older reports count as missing: hold.")
     latency_window_s: float = Field(

@@ -155,7 +155,7 @@ class Controller:
         else:
             # Dry run: keep the bookkeeping (queue ticks, counters) but never the move.
             p.policy = replace(state, target=old, last_change_at=p.policy.last_change_at,
-                               last_direction=p.policy.last_direction)
+                               last_direction=p.policy.last_direction, follow_up=p.policy.follow_up)
         decision = DecisionJson(time=self._wall(), pool=name, old=old, new=new, action=reason.action,
                                 code=reason.code, reason=reason.text, applied=applied)
         _remember(self._log, p, decision, reason)
@@ -237,7 +237,7 @@ class Controller:
         """A background sweep holds the pool at `seqs` (None: lets go, if it holds it); the epoch that carries it."""
         p = self._pools[name]
         if seqs is None and p.sweep is not None and p.policy is not None:  # its requests stay in the P99s: a change
-            p.policy = replace(p.policy, last_change_at=self._clock(), last_direction=0)
+            p.policy = p.policy.changed(self._clock())
         if seqs is not None or p.sweep is not None:  # letting go of nothing changes nothing
             p.sweep = seqs
             self._bump(p)
@@ -288,7 +288,7 @@ class Controller:
                 f"(ladder {list(allowed.steps)})" + ("" if calibrating else "; pass calibrating=true to sweep beyond it")))
         old = self.target(name)
         if p.policy is not None and seqs != old:  # a change, but no direction of the autoscaler's to reverse
-            p.policy = replace(p.policy, last_change_at=self._clock(), last_direction=0)
+            p.policy = p.policy.changed(self._clock())
         self._set(p, pinned=seqs, calibrating=calibrating, epoch=p.operator.epoch + 1)
         self._log.append(DecisionJson(time=self._wall(), pool=name, old=old or seqs, new=seqs, action="pin",
                                       code="operator", applied=True,
@@ -302,8 +302,9 @@ class Controller:
         if p.operator.pinned is not None and p.policy is not None:
             # Resume from the pinned value (the next tick clamps it into the safe range): no change,
             # unless the pin was a sweep's, whose own requests fill the P99s for a latency window.
-            change = {"last_change_at": self._clock(), "last_direction": 0} if p.operator.calibrating else {}
-            p.policy = replace(p.policy, target=p.operator.pinned, **change)
+            p.policy = replace(p.policy, target=p.operator.pinned)
+            if p.operator.calibrating:
+                p.policy = p.policy.changed(self._clock())
         self._set(p, pinned=None, calibrating=False, epoch=p.operator.epoch + 1)
         return PinResult(pool=name, epoch=p.operator.epoch)
 

@@ -18,13 +18,14 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
-     change the other way; it never leaves the range. An up move on a deep queue right after
-     an up move waits for nothing: the queue is counted at the limit that move set, and is
-     still twice as deep as it, so the move was too small (a benchmark's load step met by
-     1 -> 2 waited a cooldown for its second move, its clients' first tokens near the SLO
-     meanwhile, bench/notes.md). Each such move sizes to hold what runs and waits, so a
-     constant load moves the limit once; only a load that doubles moves it again. Down is one
-     ladder step. Up is at
+     change the other way; it never leaves the range. One exception: an up move on a deep
+     queue right after an up move of the autoscaler's waits for nothing: the queue is counted
+     at the limit that move set, and is still twice as deep as it, so the move was too small
+     (a benchmark's load step met by 1 -> 2 waited a cooldown for its second move, its
+     clients' first tokens near the SLO meanwhile, bench/notes.md). Once only: a backlog that
+     keeps growing at every limit (an engine whose throughput no longer grows with its batch)
+     would otherwise climb the ladder a step a report on P99s measured before each step. Down
+     is one ladder step. Up is at
      least one step, and as far as the step that holds every sequence running and waiting
      (per replica): a load step met one step per cooldown left a backlog that a benchmark's
      high phase never drained (bench/notes.md), where one move meets it at once;
@@ -77,12 +78,18 @@ class PolicyState:
     target: int
     last_change_at: float | None = None
     last_direction: int = 0
+    follow_up: bool = False  # the last change was an up move sized on the queue, not yet followed up at once
     queue_ticks: int = 0
     seen_rejected: int | None = None
     seen_preemptions: int | None = None
     down_code: str = ""  # the SLO breach that last stepped the limit down, while it lasts
     down_level: float = 0.0  # its P99 (s) then
     down_clear_since: float | None = None  # since when that P99 has been measured back under its SLO
+
+    def changed(self, now: float) -> "PolicyState":
+        """A change of the limit not made by the autoscaler (a pin, a sweep): its cooldown and the
+        latency window count from `now`, with no direction of the autoscaler's to reverse or follow."""
+        return replace(self, last_change_at=now, last_direction=0, follow_up=False)
 
     def restarted(self, now: float) -> "PolicyState":
         """The same target, with nothing kept of the latency measured before `now` (the pool's
@@ -241,7 +248,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
         return state.target, state, Reason("hold", "stale", "stats missing or stale")
     if state.target < steps[0] or state.target > steps[-1]:
         clamped = min(max(state.target, steps[0]), steps[-1])
-        moved = replace(state, target=clamped, last_change_at=now,
+        moved = replace(state, target=clamped, last_change_at=now, follow_up=False,
                         last_direction=1 if clamped > state.target else -1)
         return clamped, moved, Reason("clamp", "range", f"{state.target} is outside the safe range "
                                                         f"[{steps[0]}, {steps[-1]}]")
@@ -268,7 +275,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
         waited = now - state.last_change_at
         reversing = state.last_direction != 0 and direction != state.last_direction
         need = cfg.reversal_cooldown_s if reversing else cfg.cooldown_s
-        if direction > 0 and deep and state.last_direction > 0:
+        if direction > 0 and deep and state.follow_up:
             need = 0.0  # the queue is still deep at the limit the last up move set: it was too small
         if waited < need:
             kind = "reversal_cooldown" if reversing else "cooldown"
@@ -282,7 +289,9 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
         return state.target, state, Reason(
             "hold", "step_ineffective", f"{why}, but it was {state.down_level * 1e3:.0f} ms before the last step "
                                         f"down: a smaller batch does not lower it")
-    moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0)
+    followed = direction > 0 and state.follow_up and now - (state.last_change_at or now) < cfg.cooldown_s
+    moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0,
+                    follow_up=direction > 0 and not followed)
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):

@@ -69,8 +69,8 @@ def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_i
     """Ticks come every `interval_s` (5 s by default) and replicas report every second: a queue
     at least as deep as the batch is decided at the report, whose directive carries the new
     limit, and a second one at once if the queue is still that deep at the limit the first set
-    (the first was too small): the queue is counted at the current limit, not read over a
-    latency window. A shallower queue waits for its ticks; cooldowns and pins hold as ever."""
+    (the first was too small), once: the queue is counted at the current limit, not read over
+    a latency window. A shallower queue waits for its ticks; cooldowns and pins hold as ever."""
     c, clock = controller(latency_window_s=60)  # longer than the cooldown, as in the benchmark
     c.report(stats(seqs=2))
     clock.t = 100  # past the adoption's cooldown and latency window
@@ -78,13 +78,20 @@ def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_i
     assert c.report(stats(seqs=2, queued=2)).limits.max_active_seqs == 4  # 4 wanted: twice the batch
     assert [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new] == [(2, 4, "deep_queue")]
     clock.t = 101
-    assert c.report(stats(seqs=4, queued=3)).limits.max_active_seqs == 4  # not deep at 4: the move's cooldown
-    assert c.decisions()[-1].new == 4  # a hold waits for the tick to be logged
-    assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 16  # deep at 4: the move was too small
-    assert [(d.new, d.code) for d in c.decisions() if d.old != d.new] == [(4, "deep_queue"), (16, "deep_queue")]
+    assert c.report(stats(seqs=4, queued=4)).limits.max_active_seqs == 8  # still deep at 4: too small a move
+    assert [(d.new, d.code) for d in c.decisions() if d.old != d.new] == [(4, "deep_queue"), (8, "deep_queue")]
+    clock.t = 102
+    assert c.report(stats(seqs=8, queued=40)).limits.max_active_seqs == 8  # followed once: now the cooldown
+    assert c.decisions()[-1].new == 8  # a hold waits for the tick to be logged
+    clock.t = 101 + c._config.cooldown_s + 1
+    assert c.report(stats(seqs=8, queued=40)).limits.max_active_seqs == 16
     c.pin("p", 2)
     clock.t += 1000
     assert c.report(stats(seqs=2, queued=40)).limits.max_active_seqs == 2
+    c.pin("p", 4)
+    c.unpin("p")
+    clock.t += 1
+    assert c.report(stats(seqs=4, queued=40)).limits.max_active_seqs == 4  # a pin's move is not followed
 
 
 def test_a_move_made_at_a_report_is_returned_with_the_next_tick():

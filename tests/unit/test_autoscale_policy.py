@@ -186,52 +186,81 @@ def test_a_deep_queue_that_also_rejects_waits_its_cooldown_only():
     assert (reason.action, reason.code) == ("hold", "settling"), reason.text  # rejections alone still settle
 
 
-@pytest.mark.parametrize("last_direction, snapshot, target, action, code", [
-    (+1, own(2, 3), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
-    (+1, own(2, 3, rejected_total=5), 8, "up", "rejections"),
-    (+1, own(2, 1), 2, "hold", "cooldown"),  # no longer deep: the first move may be enough
-    (+1, snap(active=2, queued=6, own_running=2), 2, "hold", "cooldown"),  # borrowed work waiting
-    (0, own(2, 3), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
-    (-1, own(2, 3), 2, "hold", "reversal_cooldown"),  # after a step down
+@pytest.mark.parametrize("last_direction, follow_up, snapshot, target, action, code", [
+    (+1, True, own(2, 3), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
+    (+1, True, own(2, 3, rejected_total=5), 8, "up", "rejections"),
+    (+1, True, own(2, 1), 2, "hold", "cooldown"),  # no longer deep: the first move may be enough
+    (+1, True, snap(active=2, queued=6, own_running=2), 2, "hold", "cooldown"),  # borrowed work waiting
+    (+1, False, own(2, 3), 2, "hold", "cooldown"),  # after a clamp up, or a move that followed one up already
+    (0, False, own(2, 3), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
+    (-1, False, own(2, 3), 2, "hold", "reversal_cooldown"),  # after a step down
 ])
-def test_a_deep_queue_right_after_an_up_move_moves_again_at_once(last_direction, snapshot, target, action, code):
-    state = PolicyState(2, last_change_at=NOW - 1, last_direction=last_direction, queue_ticks=3, seen_rejected=0)
+def test_a_deep_queue_right_after_an_up_move_moves_again_at_once(last_direction, follow_up, snapshot, target,
+                                                                  action, code):
+    state = PolicyState(2, last_change_at=NOW - 1, last_direction=last_direction, follow_up=follow_up,
+                        queue_ticks=3, seen_rejected=0)
     new, _, reason = decide(snapshot, state, SETTLE, NOW)
     assert (new, reason.action, reason.code) == (target, action, code), reason.text
+
+
+def test_only_the_autoscalers_own_up_move_is_followed_at_once_and_once():
+    """An up move, then a queue still deep at its limit: followed at once; deep again at the
+    limit the follow-up set: a cooldown first. A clamp up, which no queue sized, is not followed."""
+    state = PolicyState(2, queue_ticks=1)
+    new, state, reason = decide(own(2, 1), state, CFG, NOW)  # a standing queue, not a deep one
+    assert (new, reason.code, state.follow_up) == (4, "queue", True), reason.text
+    new, state, reason = decide(own(4, 4), state, CFG, NOW + 1)
+    assert (new, reason.code, state.follow_up) == (8, "deep_queue", False), reason.text
+    new, state, reason = decide(own(8, 10), state, CFG, NOW + 2)
+    assert (new, reason.code) == (8, "cooldown"), reason.text
+    new, state, reason = decide(own(8, 10), state, CFG, NOW + 1 + CFG.cooldown_s)
+    assert (new, reason.code, state.follow_up) == (16, "deep_queue", True), reason.text
+    new, state, reason = decide(CALM, PolicyState(1), CFG, NOW)  # below the range
+    assert (new, reason.action, state.follow_up) == (2, "clamp", False), reason.text
+    assert decide(own(2, 3), state, CFG, NOW + 1)[2].code == "cooldown"
+    assert PolicyState(4, follow_up=True).changed(NOW).follow_up is False
 
 
 LADDER = RANGE.steps
 
 
 @settings(max_examples=300, deadline=None)
-@given(start=st.sampled_from(LADDER), replicas=st.integers(1, 4),
-       work=st.lists(st.integers(0, 300), min_size=1, max_size=60), hold_for=st.integers(1, 8))
-def test_up_moves_without_a_cooldown_need_a_load_that_doubles(start, replicas, work, hold_for):
-    """A random schedule of the pool's own work (each level held for `hold_for` reports a second
-    apart), from a limit just set by an up move: a move sooner than the cooldown after the one
-    before is an up move after an up move, on a queue at least twice the old limit per replica,
-    to no further than the step that holds it; and a level held steady moves the limit up at
-    most once without a cooldown (no runaway climb to the top on one load)."""
-    state = PolicyState(start, last_change_at=NOW, last_direction=+1)
-    now, last = NOW, (NOW, "up")
-    for level in work:
-        quick_ups = 0
-        for _ in range(hold_for):
-            now += 1.0
-            target = state.target
-            running = min(level, target * replicas)
-            new, state, reason = decide(own(running, level - running, replicas=replicas), state, CFG, now)
-            if new == target:
-                continue
-            assert new in LADDER
-            if now - last[0] < CFG.cooldown_s:
-                assert reason.action == "up" and last[1] == "up", reason.text
-                assert level >= 2 * target * replicas and level > running, reason.text
-                holds = next((x for x in LADDER if x >= -(-level // replicas)), LADDER[-1])
-                assert new == max(next(x for x in LADDER if x > target), holds), reason.text
-                quick_ups += 1
-            last = (now, reason.action)
-        assert quick_ups <= 1
+@given(start=st.sampled_from(LADDER), replicas=st.integers(1, 3), last_direction=st.sampled_from((-1, 0, 1)),
+       follow_up=st.booleans(),
+       load=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 40), st.one_of(st.none(), st.tuples(
+           st.floats(0.05, 1.5), st.floats(0.005, 0.15), st.floats(0.0, 1.0)))), min_size=1, max_size=120))
+def test_a_move_sooner_than_the_cooldown_follows_one_up_move_once(start, replicas, last_direction, follow_up,
+                                                                   load):
+    """A random schedule, a report a second: requests arriving and leaving the pool at rates of
+    their own (a backlog that may grow at every limit, as on an engine whose throughput no
+    longer grows with its batch), P99s and KV calm or drawn at random. A move sooner than the cooldown
+    after the change before is an up move on a queue at least twice the old limit per replica,
+    right after an up move of the autoscaler's that was not itself such a move, to no further
+    than the step that holds what runs and waits; so at most two moves fall in any cooldown."""
+    state = PolicyState(start, last_change_at=NOW, last_direction=last_direction,
+                        follow_up=follow_up and last_direction > 0)
+    now, work = NOW, 0
+    changes = [(NOW, last_direction > 0 and follow_up, False)]  # (time, followable up move, quick)
+    for arrived, served, latency in load:
+        ttft, tpot, kv = latency or (CALM.ttft_p99_s, CALM.tpot_p99_s, CALM.kv_usage)
+        now += 1.0
+        work = max(0, work + arrived - served)
+        target = state.target
+        running = min(work, target * replicas)
+        s = own(running, work - running, replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
+        new, state, reason = decide(s, state, CFG, now)
+        if new == target:
+            continue
+        assert new in LADDER
+        quick = now - changes[-1][0] < CFG.cooldown_s
+        if quick:
+            assert reason.action == "up" and changes[-1][1], reason.text
+            assert work >= 2 * target * replicas and work > running, reason.text
+            holds = next((x for x in LADDER if x >= -(-work // replicas)), LADDER[-1])
+            assert new == max(next(x for x in LADDER if x > target), holds), reason.text
+        changes.append((now, reason.action == "up" and not quick, quick))
+    times = [t for t, _, _ in changes]
+    assert all(b - a >= CFG.cooldown_s for a, b in zip(times, times[2:]))
 
 
 def test_breach_memory_ends_with_the_breach():
