@@ -27,8 +27,9 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      would otherwise climb the ladder a step a report on P99s measured before each step. Down
      is one ladder step. Up is at
      least one step, and as far as the step that holds every sequence running and waiting
-     (per replica): a load step met one step per cooldown left a backlog that a benchmark's
-     high phase never drained (bench/notes.md), where one move meets it at once;
+     (per replica) and room for its next burst (`sized`): a load step met one step per
+     cooldown left a backlog that a benchmark's high phase never drained (bench/notes.md),
+     where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
      evidence was measured at the current limit and not the one before. An up move while
@@ -55,6 +56,7 @@ when nothing waits; TPOT, KV and preemptions, which the batch does drive, step d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -168,6 +170,16 @@ def demand(snap: PoolSnapshot) -> int:
     return -(-(snap.active + snap.queued) // max(1, snap.replicas))
 
 
+def sized(load: int) -> int:
+    """The limit per replica an up move sizes for, with `load` sequences running and waiting per
+    replica: the load and room for its next burst. Read as a Poisson load, it spreads by about
+    √load, and load + 2√load slots leave a request about a 3% chance to wait (square-root
+    staffing, Halfin and Whitt). Sized to the load alone, a benchmark's load step stopped a
+    step short and queued at its next burst (bench/notes.md). A slot costs nothing until it is
+    used, and the safe range bounds the batch."""
+    return load + math.ceil(2 * math.sqrt(load))
+
+
 def own_load(reports: Sequence[ReplicaStats]) -> tuple[int, int]:
     """The pool's own sequences running and requests waiting, over `reports` (`GateStats.own_load`)."""
     loads = [s.gate.own_load for s in reports]
@@ -266,7 +278,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if direction == 0:
         return state.target, state, Reason("hold", code, why)
     level = cfg.breach(snap, code) if direction < 0 else None
-    wanted = demand(snap) if direction > 0 else 0
+    load = demand(snap) if direction > 0 else 0
+    wanted = sized(load)
     nxt = _up_to(steps, state.target, wanted) if direction > 0 else _step(steps, state.target, direction)
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
@@ -295,6 +308,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
-        why += (f"; to {nxt}, which holds the {wanted} sequences running and waiting per replica" if nxt >= wanted
-                else f"; to {nxt}, the top of the safe range ({wanted} sequences running and waiting per replica)")
+        why += (f"; to {nxt}, which holds the {load} sequences running and waiting per replica and a burst "
+                f"({wanted})" if nxt >= wanted else
+                f"; to {nxt}, the top of the safe range ({load} sequences running and waiting per replica, "
+                f"{wanted} with a burst)")
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

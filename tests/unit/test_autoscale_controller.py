@@ -42,12 +42,12 @@ def test_controller_adopts_reported_limits_and_steps_up_under_a_queue():
     assert c.report(stats(seqs=4)).limits.max_active_seqs == 4
     for _ in range(6):
         clock.t += 5
-        c.report(stats(seqs=4, queued=3))  # 7 sequences wanted: the next step holds them
+        c.report(stats(seqs=4, queued=3))  # 7 running and waiting, 13 with a burst: the top holds them
         c.tick()
-    assert c.target("p") == 8
-    assert c.report(stats(seqs=4, queued=3)).limits.max_active_seqs == 8
+    assert c.target("p") == 16
+    assert c.report(stats(seqs=4, queued=3)).limits.max_active_seqs == 16
     moves = [d for d in c.decisions() if d.old != d.new]
-    assert [d.new for d in moves] == [8] and moves[0].time == 30  # cooldown_s and latency_window_s: 30 s
+    assert [d.new for d in moves] == [16] and moves[0].time == 30  # cooldown_s and latency_window_s: 30 s
     assert {d.code for d in c.decisions() if 10 <= d.time < 30} == {"cooldown"}  # the queue persisted from 10 s
 
 
@@ -75,16 +75,13 @@ def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_i
     c.report(stats(seqs=2))
     clock.t = 100  # past the adoption's cooldown and latency window
     assert c.report(stats(seqs=2, queued=1)).limits.max_active_seqs == 2
-    assert c.report(stats(seqs=2, queued=2)).limits.max_active_seqs == 4  # 4 wanted: twice the batch
-    assert [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new] == [(2, 4, "deep_queue")]
+    assert c.report(stats(seqs=2, queued=2)).limits.max_active_seqs == 8  # twice the batch; 8 with a burst
+    assert [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new] == [(2, 8, "deep_queue")]
     clock.t = 101
-    assert c.report(stats(seqs=4, queued=4)).limits.max_active_seqs == 8  # still deep at 4: too small a move
-    assert [(d.new, d.code) for d in c.decisions() if d.old != d.new] == [(4, "deep_queue"), (8, "deep_queue")]
-    clock.t = 102
-    assert c.report(stats(seqs=8, queued=40)).limits.max_active_seqs == 8  # followed once: now the cooldown
+    assert c.report(stats(seqs=8, queued=5)).limits.max_active_seqs == 8  # not deep at 8: the move's cooldown
     assert c.decisions()[-1].new == 8  # a hold waits for the tick to be logged
-    clock.t = 101 + c._config.cooldown_s + 1
-    assert c.report(stats(seqs=8, queued=40)).limits.max_active_seqs == 16
+    assert c.report(stats(seqs=8, queued=8)).limits.max_active_seqs == 16  # deep at 8: too small a move
+    assert [(d.new, d.code) for d in c.decisions() if d.old != d.new] == [(8, "deep_queue"), (16, "deep_queue")]
     c.pin("p", 2)
     clock.t += 1000
     assert c.report(stats(seqs=2, queued=40)).limits.max_active_seqs == 2
@@ -102,7 +99,7 @@ def test_a_move_made_at_a_report_is_returned_with_the_next_tick():
     clock.t = 100
     c.report(stats(seqs=2, queued=2))
     ticked = [(d.old, d.new, d.action) for d in c.tick()]
-    assert ticked[0] == (2, 4, "up") and len(ticked) == 2  # the move, then the tick's own decision
+    assert ticked[0] == (2, 8, "up") and len(ticked) == 2  # the move, then the tick's own decision
     assert [d.action for d in c.tick()] == ["hold"]
 
 
@@ -163,14 +160,18 @@ def test_only_the_pools_own_work_under_its_limit_makes_a_deep_queue():
     leaving = stats(seqs=4, queued=1)
     leaving = dataclasses.replace(leaving, gate=dataclasses.replace(leaving.gate, active=16))  # limit 4, 16 running
     assert c.report(leaving).limits.max_active_seqs == 4
-    assert c.report(stats(seqs=4, queued=4)).limits.max_active_seqs == 8  # its own: deep
+    assert c.report(stats(seqs=4, queued=4)).limits.max_active_seqs == 16  # its own: deep
 
 
 def test_an_up_move_says_which_step_holds_the_demand():
-    new, _, reason = decide(snap(queued=3, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
-    assert new == 8 and "to 8, which holds the 5 sequences running and waiting per replica" in reason.text
-    new, _, reason = decide(snap(queued=1, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
-    assert new == 4 and "holds" not in reason.text  # the next step: nothing more to say
+    new, _, reason = decide(snap(queued=10, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
+    assert new == 16 and "to 16, the top of the safe range (12 sequences running and waiting per replica, 19 with " \
+                         "a burst)" in reason.text
+    new, _, reason = decide(snap(queued=1, active=1), PolicyState(2, queue_ticks=1), CFG, NOW)
+    assert new == 8 and "to 8, which holds the 2 sequences running and waiting per replica and a burst (5)" \
+        in reason.text
+    new, _, reason = decide(snap(queued=1, active=4), PolicyState(8, queue_ticks=1), CFG, NOW)
+    assert new == 16 and "holds" not in reason.text  # the next step: nothing more to say
 
 
 def test_a_restarted_controller_does_not_act_on_latency_from_before_it():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscale.policy import PolicyConfig, PolicyState, decide
+from autoscale.policy import PolicyConfig, PolicyState, decide, sized
 from pools.control import PoolSnapshot
 from pools.types import SafeRange
 
@@ -28,6 +28,8 @@ def own(running: int, waiting: int, **kw) -> PoolSnapshot:
 
 
 NOW = 1000.0
+WIDE = replace(CFG, safe_range=SafeRange(ladder=(1, 2, 4, 8, 16, 32, 64, 128), low=1, high=128, tokens_per_seq=1000,
+                                         max_inflight_tokens=1_000_000))
 CASES = [
     # (name, snapshot, state, expected target, action, code)
     ("stale stats hold", PoolSnapshot(fresh=False), PolicyState(8), 8, "hold", "stale"),
@@ -53,11 +55,11 @@ CASES = [
      "hold", "slo_ttft_queued"),
     ("a deep queue of borrowed work is no reason to grow", snap(queued=8, active=8), PolicyState(8), 8, "hold",
      "idle"),
-    ("a queue deeper than the next step goes to the step that holds it", snap(queued=3, active=2),
+    ("a queue deeper than the next step goes to the step that holds it and a burst", snap(queued=1, active=2),
      PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
      "up", "queue"),
-    ("demand is per replica", snap(queued=10, active=4, replicas=2), PolicyState(2, queue_ticks=1), 8, "up",
+    ("demand is per replica", snap(queued=4, active=2, replicas=2), PolicyState(2, queue_ticks=1), 8, "up",
      "queue"),
     ("queue persisting steps up", snap(queued=5), PolicyState(8, queue_ticks=1), 16, "up", "queue"),
     ("rejections step up", snap(rejected_total=10), PolicyState(8, seen_rejected=4), 16, "up", "rejections"),
@@ -80,7 +82,7 @@ CASES = [
     ("reversal after its cooldown", snap(ttft_p99_s=2), PolicyState(8, last_change_at=NOW - 91, last_direction=1), 4,
      "down", "slo_ttft"),
     ("outside the range is clamped", CALM, PolicyState(32), 16, "clamp", "range"),
-    ("off-ladder target steps to the ladder", snap(queued=5), PolicyState(5, queue_ticks=3), 8, "up", "queue"),
+    ("off-ladder target steps to the ladder", snap(queued=1), PolicyState(5, queue_ticks=3), 8, "up", "queue"),
     ("a step down that did not help holds", snap(tpot_p99_s=0.19),
      PolicyState(8, last_change_at=NOW - 100, last_direction=-1, down_code="slo_tpot", down_level=0.2), 8,
      "hold", "step_ineffective"),
@@ -114,7 +116,7 @@ def test_a_hold_in_the_band_names_what_pulled_up():
 @given(target=st.sampled_from(RANGE.ladder[:-1]), queued=st.integers(0, 500), active=st.integers(0, 64),
        replicas=st.integers(1, 4), ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3),
        kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5), since=st.one_of(st.none(), st.floats(0, 200)))
-def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_the_demand(
+def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_the_demand_and_a_burst(
         target, queued, active, replicas, ttft, tpot, kv, ticks, since):
     s = snap(queued=queued, active=active, replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
     state = PolicyState(target, queue_ticks=ticks, last_change_at=None if since is None else NOW - since,
@@ -122,7 +124,7 @@ def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_th
     new, _, reason = decide(s, state, CFG, NOW)
     assert new in RANGE.steps
     if RANGE.low <= target <= RANGE.high:
-        wanted = -(-(queued + active) // replicas)
+        wanted = sized(-(-(queued + active) // replicas))
         if reason.action == "up":
             nxt = next(x for x in RANGE.steps if x > target)
             assert new == max(nxt, next((x for x in RANGE.steps if x >= wanted), RANGE.high))
@@ -187,13 +189,13 @@ def test_a_deep_queue_that_also_rejects_waits_its_cooldown_only():
 
 
 @pytest.mark.parametrize("last_direction, follow_up, snapshot, target, action, code", [
-    (+1, True, own(2, 3), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
-    (+1, True, own(2, 3, rejected_total=5), 8, "up", "rejections"),
+    (+1, True, own(2, 2), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
+    (+1, True, own(2, 2, rejected_total=5), 8, "up", "rejections"),
     (+1, True, own(2, 1), 2, "hold", "cooldown"),  # no longer deep: the first move may be enough
     (+1, True, snap(active=2, queued=6, own_running=2), 2, "hold", "cooldown"),  # borrowed work waiting
-    (+1, False, own(2, 3), 2, "hold", "cooldown"),  # after a clamp up, or a move that followed one up already
-    (0, False, own(2, 3), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
-    (-1, False, own(2, 3), 2, "hold", "reversal_cooldown"),  # after a step down
+    (+1, False, own(2, 2), 2, "hold", "cooldown"),  # after a clamp up, or a move that followed one up already
+    (0, False, own(2, 2), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
+    (-1, False, own(2, 2), 2, "hold", "reversal_cooldown"),  # after a step down
 ])
 def test_a_deep_queue_right_after_an_up_move_moves_again_at_once(last_direction, follow_up, snapshot, target,
                                                                   action, code):
@@ -207,14 +209,14 @@ def test_only_the_autoscalers_own_up_move_is_followed_at_once_and_once():
     """An up move, then a queue still deep at its limit: followed at once; deep again at the
     limit the follow-up set: a cooldown first. A clamp up, which no queue sized, is not followed."""
     state = PolicyState(2, queue_ticks=1)
-    new, state, reason = decide(own(2, 1), state, CFG, NOW)  # a standing queue, not a deep one
-    assert (new, reason.code, state.follow_up) == (4, "queue", True), reason.text
-    new, state, reason = decide(own(4, 4), state, CFG, NOW + 1)
-    assert (new, reason.code, state.follow_up) == (8, "deep_queue", False), reason.text
-    new, state, reason = decide(own(8, 10), state, CFG, NOW + 2)
-    assert (new, reason.code) == (8, "cooldown"), reason.text
-    new, state, reason = decide(own(8, 10), state, CFG, NOW + 1 + CFG.cooldown_s)
-    assert (new, reason.code, state.follow_up) == (16, "deep_queue", True), reason.text
+    new, state, reason = decide(own(2, 1), state, WIDE, NOW)  # a standing queue, not a deep one
+    assert (new, reason.code, state.follow_up) == (8, "queue", True), reason.text
+    new, state, reason = decide(own(8, 8), state, WIDE, NOW + 1)
+    assert (new, reason.code, state.follow_up) == (32, "deep_queue", False), reason.text
+    new, state, reason = decide(own(32, 40), state, WIDE, NOW + 2)
+    assert (new, reason.code) == (32, "cooldown"), reason.text
+    new, state, reason = decide(own(32, 40), state, WIDE, NOW + 1 + CFG.cooldown_s)
+    assert (new, reason.code, state.follow_up) == (128, "deep_queue", True), reason.text
     new, state, reason = decide(CALM, PolicyState(1), CFG, NOW)  # below the range
     assert (new, reason.action, state.follow_up) == (2, "clamp", False), reason.text
     assert decide(own(2, 3), state, CFG, NOW + 1)[2].code == "cooldown"
@@ -256,7 +258,7 @@ def test_a_move_sooner_than_the_cooldown_follows_one_up_move_once(start, replica
         if quick:
             assert reason.action == "up" and changes[-1][1], reason.text
             assert work >= 2 * target * replicas and work > running, reason.text
-            holds = next((x for x in LADDER if x >= -(-work // replicas)), LADDER[-1])
+            holds = next((x for x in LADDER if x >= sized(-(-work // replicas))), LADDER[-1])
             assert new == max(next(x for x in LADDER if x > target), holds), reason.text
         changes.append((now, reason.action == "up" and not quick, quick))
     times = [t for t, _, _ in changes]
