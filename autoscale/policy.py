@@ -172,11 +172,12 @@ def demand(snap: PoolSnapshot) -> int:
 
 def sized(load: int) -> int:
     """The limit per replica an up move sizes for, with `load` sequences running and waiting per
-    replica: the load and room for its next burst. Read as a Poisson load, it spreads by about
-    √load, and load + 2√load slots leave a request about a 3% chance to wait (square-root
-    staffing, Halfin and Whitt). Sized to the load alone, a benchmark's load step stopped a
-    step short and queued at its next burst (bench/notes.md). A slot costs nothing until it is
-    used, and the safe range bounds the batch."""
+    replica: the load and room for its next burst, a rule of thumb borrowed from square-root
+    staffing (were `load` the offered load of a queue with that many servers, load + 2√load
+    of them would leave a request a few percent chance to wait; it is one reading, backlog
+    included). Sized to the load alone, a benchmark's load step stopped a step short and
+    queued at its next burst (bench/notes.md). The safe range bounds the batch; the limit then
+    stays until an SLO breach steps it down."""
     return load + math.ceil(2 * math.sqrt(load))
 
 

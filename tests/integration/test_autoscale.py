@@ -70,8 +70,8 @@ def test_limit_rises_under_a_load_step(stack):
         wait_for(lambda: stack.replica(POOL)["limits"]["max_active_seqs"] > 4, 5, what="the replica to apply it")
     assert all(s == 200 for s in load.statuses)
     ups = [d for d in stack.admin("GET", "/admin/decisions").json() if d["pool"] == POOL and d["action"] == "up"]
-    # 24 clients at a limit of 4: one move to the step that holds them (or the range's top), not
-    # one step per cooldown
+    # 24 clients at a limit of 4: one move to the step that holds them and a burst (or the
+    # range's top), not one step per cooldown
     top = stack.pools()[POOL]["safe_range"][1]
     assert ups and ups[-1]["code"] in ("deep_queue", "rejections") and ups[-1]["old"] == 4, ups
     assert ups[-1]["code"] == "rejections" or "twice a batch of 4" in ups[-1]["reason"], ups

@@ -55,7 +55,7 @@ CASES = [
      "hold", "slo_ttft_queued"),
     ("a deep queue of borrowed work is no reason to grow", snap(queued=8, active=8), PolicyState(8), 8, "hold",
      "idle"),
-    ("a queue deeper than the next step goes to the step that holds it and a burst", snap(queued=1, active=2),
+    ("a queue the next step holds goes to the step that holds it and a burst", snap(queued=1, active=2),
      PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
      "up", "queue"),
@@ -223,23 +223,27 @@ def test_only_the_autoscalers_own_up_move_is_followed_at_once_and_once():
     assert PolicyState(4, follow_up=True).changed(NOW).follow_up is False
 
 
-LADDER = RANGE.steps
+def test_an_up_move_sizes_for_the_load_and_twice_its_square_root():
+    assert [sized(load) for load in (0, 1, 2, 4, 7, 9, 100)] == [0, 3, 5, 8, 13, 15, 120]
 
 
 @settings(max_examples=300, deadline=None)
-@given(start=st.sampled_from(LADDER), replicas=st.integers(1, 3), last_direction=st.sampled_from((-1, 0, 1)),
+@given(cfg=st.sampled_from((CFG, WIDE)), start=st.integers(0, 7), replicas=st.integers(1, 3),
+       last_direction=st.sampled_from((-1, 0, 1)),
        follow_up=st.booleans(),
        load=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 40), st.one_of(st.none(), st.tuples(
            st.floats(0.05, 1.5), st.floats(0.005, 0.15), st.floats(0.0, 1.0)))), min_size=1, max_size=120))
-def test_a_move_sooner_than_the_cooldown_follows_one_up_move_once(start, replicas, last_direction, follow_up,
+def test_a_move_sooner_than_the_cooldown_follows_one_up_move_once(cfg, start, replicas, last_direction, follow_up,
                                                                    load):
     """A random schedule, a report a second: requests arriving and leaving the pool at rates of
     their own (a backlog that may grow at every limit, as on an engine whose throughput no
-    longer grows with its batch), P99s and KV calm or drawn at random. A move sooner than the cooldown
-    after the change before is an up move on a queue at least twice the old limit per replica,
-    right after an up move of the autoscaler's that was not itself such a move, to no further
-    than the step that holds what runs and waits; so at most two moves fall in any cooldown."""
-    state = PolicyState(start, last_change_at=NOW, last_direction=last_direction,
+    longer grows with its batch), P99s and KV calm or drawn at random, in a narrow range and a
+    wide one. A move sooner than the cooldown after the change before is an up move on a queue
+    at least twice the old limit per replica, right after an up move of the autoscaler's that
+    was not itself such a move, to no further than the step that holds what runs and waits and
+    a burst; so at most two moves fall in any cooldown."""
+    ladder = cfg.safe_range.steps
+    state = PolicyState(ladder[min(start, len(ladder) - 1)], last_change_at=NOW, last_direction=last_direction,
                         follow_up=follow_up and last_direction > 0)
     now, work = NOW, 0
     changes = [(NOW, last_direction > 0 and follow_up, False)]  # (time, followable up move, quick)
@@ -250,19 +254,19 @@ def test_a_move_sooner_than_the_cooldown_follows_one_up_move_once(start, replica
         target = state.target
         running = min(work, target * replicas)
         s = own(running, work - running, replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
-        new, state, reason = decide(s, state, CFG, now)
+        new, state, reason = decide(s, state, cfg, now)
         if new == target:
             continue
-        assert new in LADDER
-        quick = now - changes[-1][0] < CFG.cooldown_s
+        assert new in ladder
+        quick = now - changes[-1][0] < cfg.cooldown_s
         if quick:
             assert reason.action == "up" and changes[-1][1], reason.text
             assert work >= 2 * target * replicas and work > running, reason.text
-            holds = next((x for x in LADDER if x >= sized(-(-work // replicas))), LADDER[-1])
-            assert new == max(next(x for x in LADDER if x > target), holds), reason.text
+            holds = next((x for x in ladder if x >= sized(-(-work // replicas))), ladder[-1])
+            assert new == max(next(x for x in ladder if x > target), holds), reason.text
         changes.append((now, reason.action == "up" and not quick, quick))
     times = [t for t, _, _ in changes]
-    assert all(b - a >= CFG.cooldown_s for a, b in zip(times, times[2:]))
+    assert all(b - a >= cfg.cooldown_s for a, b in zip(times, times[2:]))
 
 
 def test_breach_memory_ends_with_the_breach():
