@@ -285,12 +285,13 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if nxt == state.target:
         edge = "top" if direction > 0 else "bottom"
         return state.target, state, Reason("hold", "range_edge", f"at the {edge} of the safe range: {why}")
+    quick = False  # a follow-up made inside the cooldown
     if state.last_change_at is not None:
         waited = now - state.last_change_at
         reversing = state.last_direction != 0 and direction != state.last_direction
         need = cfg.reversal_cooldown_s if reversing else cfg.cooldown_s
-        if direction > 0 and deep and state.follow_up:
-            need = 0.0  # the queue is still deep at the limit the last up move set: it was too small
+        if direction > 0 and deep and state.follow_up:  # still deep at the limit that move set: too small
+            quick, need = waited < need, 0.0
         if waited < need:
             kind = "reversal_cooldown" if reversing else "cooldown"
             return state.target, state, Reason("hold", kind, f"{kind.replace('_', ' ')} ({need - waited:.0f}s left); "
@@ -303,9 +304,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
         return state.target, state, Reason(
             "hold", "step_ineffective", f"{why}, but it was {state.down_level * 1e3:.0f} ms before the last step "
                                         f"down: a smaller batch does not lower it")
-    followed = direction > 0 and state.follow_up and now - (state.last_change_at or now) < cfg.cooldown_s
     moved = replace(state, target=nxt, last_change_at=now, last_direction=direction, queue_ticks=0,
-                    follow_up=direction > 0 and not followed)
+                    follow_up=direction > 0 and not quick)
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
