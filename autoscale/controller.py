@@ -3,9 +3,9 @@
 `Controller` is the state machine (clock injected, no Ray); `autoscale.service` is the thin
 asyncio shell that Serve deploys around it.
 
-Protocol. Every pool replica calls `report(stats)` each `report_interval_s` and applies the
-`LimitsDirective` in the reply (decided at once if the report shows a queue as deep as the
-batch). The controller never calls replicas, so a replica that cannot reach it keeps its last
+Protocol. Every pool replica calls `report(stats)` each `report_interval_s`, and at once when
+its own work queues as deep as its batch, and applies the `LimitsDirective` in the reply
+(decided at once if the report shows a queue as deep as the batch). The controller never calls replicas, so a replica that cannot reach it keeps its last
 limits and keeps serving. Each change of a pool's limits takes the pool's next epoch; replicas
 echo the epoch they applied, so operators and tools know when it is in force (`PoolStatus.applied`).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, deep_queue, own_load
+from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, own_load
 from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.operators import Operator, restore
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
@@ -41,7 +41,7 @@ from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
                            PoolView, ReplicaStats, ReplicaStatus, SloJson)
-from pools.types import SafeRange
+from pools.types import SafeRange, deep_queue
 
 log = logging.getLogger("poolserve.autoscale")
 

@@ -62,7 +62,7 @@ from typing import Sequence
 
 from infra.stats import percentile
 from pools.control import PoolSnapshot, ReplicaStats
-from pools.types import SafeRange
+from pools.types import SafeRange, deep_queue
 
 
 @dataclass(frozen=True)
@@ -185,15 +185,6 @@ def own_load(reports: Sequence[ReplicaStats]) -> tuple[int, int]:
     """The pool's own sequences running and requests waiting, over `reports` (`GateStats.own_load`)."""
     loads = [s.gate.own_load for s in reports]
     return sum(r for r, _ in loads), sum(w for _, w in loads)
-
-
-def deep_queue(running: int, waiting: int, replicas: int, target: int) -> bool:
-    """The pool's own work waits in a queue at least as deep as the batch (per replica): such a
-    queue stands at its first sight. A batch of one under a load step drains and refills its
-    queue between ticks, and waiting for it to show at two ticks in a row cost a benchmark's
-    step 4-10 s of first tokens near the SLO (bench/notes.md). Borrowed work is the lender's
-    to send home, not a reason to grow."""
-    return waiting > 0 and running + waiting >= 2 * target * replicas
 
 
 def _up_to(steps: tuple[int, ...], current: int, wanted: int) -> int:

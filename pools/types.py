@@ -238,6 +238,20 @@ class GateStats:
         running = min(self.active - self.borrowed_seqs, self.limits.max_active_seqs)
         return running, self.queued - self.queued_by_class.get("borrowed", 0)
 
+    @property
+    def deep(self) -> bool:
+        """The pool's own work waits here in a queue as deep as this replica's batch (`deep_queue`)."""
+        return deep_queue(*self.own_load, 1, self.limits.max_active_seqs)
+
+
+def deep_queue(running: int, waiting: int, replicas: int, target: int) -> bool:
+    """The pool's own work waits in a queue at least as deep as the batch (per replica): such a
+    queue stands at its first sight. A batch of one under a load step drains and refills its
+    queue between ticks, and waiting for it to show at two ticks in a row cost a benchmark's
+    step 4-10 s of first tokens near the SLO (bench/notes.md). Borrowed work is the lender's
+    to send home, not a reason to grow."""
+    return waiting > 0 and running + waiting >= 2 * target * replicas
+
 
 @dataclass(frozen=True)
 class LatencySample:
