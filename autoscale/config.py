@@ -10,7 +10,9 @@ from pools.config import Frozen
 class AutoscaleConfig(Frozen):
     interval_s: float = Field(5.0, gt=0, description="Seconds between decisions (a deep queue is decided at the "
                                                     "report that shows it).")
-    report_interval_s: float = Field(1.0, gt=0, description="Seconds between replica reports.")
+    report_interval_s: float = Field(1.0, gt=0, description="Seconds between replica reports (a replica also "
+                                                            "reports at once when its own queue turns as deep as "
+                                                            "its batch).")
     cooldown_s: float = Field(30.0, ge=0, description="Minimum time after any change (but an up move on a deep "
                                                      "queue right after an up move waits none, once: that move was too "
                                                      "small).")

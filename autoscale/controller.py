@@ -4,8 +4,9 @@
 asyncio shell that Serve deploys around it.
 
 Protocol. Every pool replica calls `report(stats)` each `report_interval_s`, and at once when
-its own work queues as deep as its batch, and applies the `LimitsDirective` in the reply
-(decided at once if the report shows a queue as deep as the batch). The controller never calls replicas, so a replica that cannot reach it keeps its last
+its own work queues as deep as its own batch, and applies the `LimitsDirective` in the reply.
+A report that shows the pool's queue as deep as its target (over all its replicas) is decided
+at once. The controller never calls replicas, so a replica that cannot reach it keeps its last
 limits and keeps serving. Each change of a pool's limits takes the pool's next epoch; replicas
 echo the epoch they applied, so operators and tools know when it is in force (`PoolStatus.applied`).
 

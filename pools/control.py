@@ -1,8 +1,8 @@
 """The control plane's contract: what replicas report, what the controller answers, and what
 operators, the router, the CLI, the benchmarks and the tests read back.
 
-Reports and directives cross a Ray handle every report interval (dataclasses: cheap to
-pickle). Status, describe and operator results cross HTTP as JSON (pydantic models: the
+Reports and directives cross a Ray handle every report interval, and when a replica's queue turns
+deep (dataclasses: cheap to pickle). Status, describe and operator results cross HTTP as JSON (pydantic models: the
 admin API writes them with `model_dump(mode="json")`, clients read them back with
 `model_validate`), so no reader parses a dict by string keys.
 
@@ -24,7 +24,7 @@ from pools.types import BatchLimits, EngineStats, GateStats, LatencySample, Safe
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """A pool replica's report to the controller, every `report_interval_s`."""
+    """A pool replica's report to the controller, every `report_interval_s` and when its queue turns deep."""
 
     pool: str
     replica: str

@@ -167,6 +167,7 @@ class PoolServer:
         self._reporting = asyncio.Lock()  # one report at a time: replies are applied in the order they were decided
         self._told_deep: int | None = None  # the limit a deep queue was last reported at, while it stays deep
         self._telling: asyncio.Task | None = None
+        self._held = False  # the controller holds the limits (a pin, a sweep): a deep queue moves nothing
         self._fingerprint_base = settings.fingerprint_base
         if engine is None:
             from pools.llm import RayLLMEngine
@@ -186,6 +187,7 @@ class PoolServer:
     async def close(self) -> None:
         """Stop reporting, then the engine (its processes go with it)."""
         await self._loops.stop()
+        self._controller = None  # a request still here must not report a replica that is leaving
         if self._telling is not None:
             self._telling.cancel()
             await asyncio.gather(self._telling, return_exceptions=True)
@@ -206,7 +208,8 @@ class PoolServer:
         pending = self._gate.offer(call.tenant, call.weight, call.priority, call.cost, call.n)
         try:
             if not pending.decided:  # it waits in the gate's queue: tell the router it got here
-                self._tell_deep_queue()
+                if not call.borrowed:
+                    self._tell_deep_queue()
                 yield Arrived(self._replica)
             ticket = await pending.wait()
         except GateRejected as e:
@@ -332,6 +335,7 @@ class PoolServer:
                     directive.limits, directive.reason or "controller")
         self._gate.set_limits(directive.limits, directive.allowed)
         self._applied_epoch = directive.epoch
+        self._held = directive.reason in ("pinned", "sweep")
 
     async def _report(self) -> None:
         async with self._reporting:
@@ -346,13 +350,15 @@ class PoolServer:
         """Report now, not at the next report, when the pool's own work queues as deep as the
         batch: the controller moves on such a report at once, and a batch of one at one request
         a second drained its queue between reports, each waiter sitting out the running request
-        (the autoscaler benchmark's low phase, bench/notes.md). Once per limit while the queue
-        stays deep: what the controller does not move at once (a cooldown, the band) it sees
-        again at the next periodic report, and the top of the range has nowhere to go."""
-        s = self._gate.gate.stats()
-        limit = s.limits.max_active_seqs
-        if (self._controller is None or not s.deep or limit >= self._gate.gate.allowed.high
-                or self._told_deep == limit or self._telling is not None and not self._telling.done()):
+        (the autoscaler benchmark's low phase, bench/notes.md). Once per limit until a periodic
+        report finds the queue shallow: what the controller does not move at once (a cooldown,
+        the band) it sees again at the next periodic report. Nothing at the top of the range, or
+        while the controller holds the limits: nowhere to go. Checked at every request that
+        queues, so the cheap tests come first."""
+        gate = self._gate.gate
+        limit = gate.limits.max_active_seqs
+        if (self._controller is None or self._held or limit >= gate.allowed.high or self._told_deep == limit
+                or self._telling is not None and not self._telling.done() or not gate.stats().deep):
             return
         self._told_deep = limit
         self._telling = asyncio.get_running_loop().create_task(self._tell(), name=f"pool {self._settings.name}: "

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from pools.control import LimitsDirective
 from pools.engine import StatsBox
 from pools.gate import Ceilings, QueuePolicy
 from pools.server import PoolServer, PoolSettings
@@ -280,73 +278,6 @@ def test_serve_stopping_a_replica_stops_its_report_loop_and_its_engine():
         return server._loops.running
 
     assert asyncio.run(go()) == [] and Reporting.stopped
-
-
-class Controller:
-    """The controller's side of a report as far as a deep queue goes: when `moves`, the top of
-    the range at a report that shows one (as its up move sized on the queue would)."""
-
-    def __init__(self, moves: bool) -> None:
-        self.moves, self.seen = moves, []
-        self.report = SimpleNamespace(remote=self._report)
-
-    async def _report(self, stats):
-        self.seen.append(stats.gate)
-        seqs = RANGE.high if self.moves and stats.gate.deep else stats.gate.limits.max_active_seqs
-        return LimitsDirective(RANGE.limits_for(seqs), RANGE, len(self.seen))
-
-
-async def reporting_server(controller: Controller, start_seqs: int) -> PoolServer:
-    """A server whose periodic report comes once, at its start: any other is one it sent early."""
-    server = PoolServer.__new__(PoolServer)
-    await server.__init__(settings=replace(settings(), report_interval_s=3600, start_seqs=start_seqs),
-                          controller=controller, engine=FakeEngine())
-    await until(lambda: len(controller.seen) == 1, "the first periodic report")
-    return server
-
-
-def test_a_request_that_queues_behind_a_batch_it_doubles_is_reported_at_once():
-    """At a limit of 1, a second request is a deep queue: the replica reports it when it queues,
-    and the controller's move admits it while the first still runs (a report an interval later
-    would have come after the running request had ended: bench/notes.md)."""
-    async def go():
-        FakeEngine.release = asyncio.Event()
-        controller = Controller(moves=True)
-        server = await reporting_server(controller, start_seqs=1)
-        first = asyncio.create_task(collect(server, call()))
-        await until(lambda: FakeEngine.held == 1, "the first call running")
-        second = asyncio.create_task(collect(server, call()))
-        await asyncio.wait_for(until(lambda: FakeEngine.held == 2, "the second call admitted"), 60)
-        FakeEngine.release.set()
-        results = await asyncio.gather(first, second)
-        await server.close()
-        return controller.seen, server._gate.gate.limits.max_active_seqs, results
-
-    seen, limit, results = asyncio.run(go())
-    assert [(g.limits.max_active_seqs, g.deep) for g in seen] == [(1, False), (1, True)]
-    assert limit == RANGE.high and all(isinstance(r[-1], Finished) for r in results)
-
-
-@pytest.mark.parametrize("start_seqs, early", [(1, 1), (RANGE.high, 0)])
-def test_a_deep_queue_is_reported_early_once_per_limit_and_never_at_the_top(start_seqs, early):
-    """A controller that holds (its cooldown, the band) hears of a queue that stays deep at the
-    same limit once, not at every request that joins it; at the top of the range there is
-    nowhere to move, so nothing is reported early."""
-    async def go():
-        FakeEngine.release = asyncio.Event()
-        controller = Controller(moves=False)
-        server = await reporting_server(controller, start_seqs)
-        calls = [asyncio.create_task(collect(server, call())) for _ in range(start_seqs + 5)]
-        await until(lambda: queued(server) == 5, "five calls queued")
-        for _ in range(20):  # time for any report they would send
-            await asyncio.sleep(0)
-        deep = server._gate.gate.stats().deep
-        FakeEngine.release.set()
-        await asyncio.gather(*calls)
-        await server.close()
-        return len(controller.seen) - 1, deep
-
-    assert asyncio.run(go()) == (early, start_seqs * 2 <= start_seqs + 5)
 
 
 def test_a_lender_refuses_borrowed_work_while_its_own_work_is_here_or_recent():
