@@ -28,8 +28,9 @@ class AutoscaleConfig(Frozen):
     min_samples: int = Field(5, ge=1, description="Fewer latency samples than this cannot prove an SLO breach.")
     kv_watermark: float = Field(0.9, gt=0, le=1)
     headroom: float = Field(0.7, gt=0, lt=1, description="Step up only while P99s are below headroom x SLO.")
-    queue_persist_ticks: int = Field(2, ge=1, description="Ticks a queue must persist before stepping up; a queue "
-                                     "at least as deep as the batch steps up at the report that shows it.")
+    queue_persist_ticks: int = Field(2, ge=1, description="Ticks a queue of the pool's own requests must persist "
+                                     "before stepping up; one at least as deep as the batch steps up at the report "
+                                     "that shows it. Borrowed work waiting is no reason to grow.")
     decision_log_size: int = Field(500, ge=10)
     dry_run: bool = False
 

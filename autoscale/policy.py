@@ -11,11 +11,12 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
   3. pressure down: P99 engine TTFT or P99 TPOT above the SLO (with enough samples),
      KV usage above the watermark, or new preemptions; but a TTFT breach while a queue
      persists, or is deep (rule 4), holds instead (see below);
-  4. pressure up: a queue (or rejections) that persisted for `queue_persist_ticks`
-     ticks, or at once a deep queue (`deep_queue`: the pool's own work running and waiting
-     per replica at least twice the target), or waits at the gate that bring clients' first
-     tokens near the SLO (P99 wait plus P99 engine TTFT above `headroom` x the TTFT SLO),
-     while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
+  4. pressure up: a queue of the pool's own work (or rejections) that persisted for
+     `queue_persist_ticks` ticks, or at once a deep queue (`deep_queue`: the pool's own work
+     running and waiting per replica at least twice the target), or waits at the gate that
+     bring clients' first tokens near the SLO (P99 wait plus P99 engine TTFT above `headroom` x
+     the TTFT SLO), while P99s are below `headroom` x SLO and KV below `headroom` x watermark;
+     borrowed work is the lender's to send home, never a reason to grow;
   5. between the two (hysteresis band) -> hold;
   6. a move waits for `cooldown_s` after any change and `reversal_cooldown_s` after a
      change the other way; it never leaves the range. One exception: an up move on a deep
@@ -26,8 +27,8 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      keeps growing at every limit (an engine whose throughput no longer grows with its batch)
      would otherwise climb the ladder a step a report on P99s measured before each step. Down
      is one ladder step. Up is at
-     least one step, and as far as the step that holds every sequence running and waiting
-     (per replica) and room for its next burst (`sized`): a load step met one step per
+     least one step, and as far as the step that holds every sequence of the pool's own
+     running and waiting (per replica) and room for its next burst (`sized`): a load step met one step per
      cooldown left a backlog that a benchmark's high phase never drained (bench/notes.md),
      where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
@@ -51,7 +52,7 @@ TTFT a client sees: the engine's share shrinks a little, the queue's grows by wh
 lost throughput no longer serves. A benchmark showed it (bench/notes.md): a TTFT breach
 from CPU contention stepped the online pool to the bottom of its range under a standing
 queue, and the TTFT its clients saw grew manyfold. So an engine TTFT breach steps down only
-when nothing waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
+when none of the pool's own work waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def aggregate(reports: Sequence[ReplicaStats]) -> PoolSnapshot:
         fresh=True, replicas=len(reports), queued=sum(s.gate.queued for s in reports),
         own_running=running, own_queued=waiting,
         queued_tokens=sum(s.gate.queued_tokens for s in reports), active=sum(s.gate.active for s in reports),
-        rejected_total=sum(s.gate.rejected + s.gate.evicted for s in reports),
+        rejected_total=sum(s.gate.own_refused for s in reports),
         preemptions_total=sum(s.engine.preemptions for s in reports),
         kv_usage=max(s.engine.kv_usage for s in reports),
         ttft_p99_s=percentile(ttft, 99) if ttft else None, tpot_p99_s=percentile(tpot, 99) if tpot else None,
@@ -166,8 +167,11 @@ def _step(steps: tuple[int, ...], current: int, direction: int) -> int:
 
 
 def demand(snap: PoolSnapshot) -> int:
-    """Sequences per replica the pool would run if nothing waited: running plus queued."""
-    return -(-(snap.active + snap.queued) // max(1, snap.replicas))
+    """Sequences per replica the pool's own work would run if nothing waited: running plus
+    queued. Borrowed work is the lender's to send home when its own returns, not a load to
+    size the batch for: counted, a lender's limit grew, burst room and all, for another pool's
+    backlog, and its own clients met the wider batch when they came back."""
+    return -(-(snap.own_running + snap.own_queued) // max(1, snap.replicas))
 
 
 def sized(load: int) -> int:
@@ -208,7 +212,7 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: i
         return -1, "preemption", f"{new_preempts} preemptions"
     if ttft_breach:
         return 0, "slo_ttft_queued", (f"P99 TTFT {ttft * 1e3:.0f} ms above SLO {cfg.ttft_slo_s * 1e3:.0f} ms "
-                                      f"with a queue of {snap.queued} for {queue_ticks} ticks: "
+                                      f"with a queue of {snap.own_queued} for {queue_ticks} ticks: "
                                       "a smaller batch would lengthen the wait")
     slow_wait = _waits_near_the_slo(snap, cfg)
     if not (queue_persists or new_rejects > 0 or slow_wait):
@@ -224,7 +228,7 @@ def _pressure(snap: PoolSnapshot, cfg: PolicyConfig, target: int, new_rejects: i
         code, pull = "deep_queue", (f"{snap.own_queued} of the pool's own requests waiting beside {snap.own_running} "
                                     f"running on {snap.replicas} replica(s): twice a batch of {target} each or more")
     elif queue_persists:
-        code, pull = "queue", f"a queue of {snap.queued} for {queue_ticks} ticks"
+        code, pull = "queue", f"a queue of {snap.own_queued} for {queue_ticks} ticks"
     else:
         code, pull = "wait", f"P99 wait at the gate {snap.wait_p99_s * 1e3:.0f} ms"
     if not headroom_ok:
@@ -259,7 +263,7 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
 
     new_rejects = 0 if state.seen_rejected is None else max(0, snap.rejected_total - state.seen_rejected)
     new_preempts = 0 if state.seen_preemptions is None else max(0, snap.preemptions_total - state.seen_preemptions)
-    queue_ticks = state.queue_ticks if not at_tick else state.queue_ticks + 1 if snap.queued > 0 else 0
+    queue_ticks = state.queue_ticks if not at_tick else state.queue_ticks + 1 if snap.own_queued > 0 else 0
     state = replace(state, queue_ticks=queue_ticks, seen_rejected=snap.rejected_total,
                     seen_preemptions=snap.preemptions_total)
     if state.down_code:
@@ -300,8 +304,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
-        why += (f"; to {nxt}, which holds the {load} sequences running and waiting per replica and a burst "
-                f"({wanted})" if nxt >= wanted else
-                f"; to {nxt}, the top of the safe range ({load} sequences running and waiting per replica, "
-                f"{wanted} with a burst)")
+        why += (f"; to {nxt}, which holds the {load} sequences of its own running and waiting per replica and "
+                f"a burst ({wanted})" if nxt >= wanted else
+                f"; to {nxt}, the top of the safe range ({load} sequences of its own running and waiting per "
+                f"replica, {wanted} with a burst)")
     return nxt, moved, Reason("up" if direction > 0 else "down", code, why)

@@ -40,6 +40,15 @@ from typing import Callable
 from pools.fair import Admissions, FairClass, Ticket
 from pools.types import BatchLimits, GateStats, PriorityClass, SafeRange
 
+COUNTS = ("admitted", "rejected", "cancelled", "evicted", "completed", "own_refused")  # GateStats' counters
+
+
+def _refused(kind: str, tickets: list[Ticket]) -> collections.Counter[str]:
+    """`kind` for each ticket turned away, and `own_refused` for those of the pool's own: the
+    autoscaler's rejection signal, where borrowed work turned away is no reason for a lender to grow."""
+    return collections.Counter({kind: len(tickets),
+                                "own_refused": sum(t.priority != PriorityClass.BORROWED for t in tickets)})
+
 Clock = Callable[[], float]
 
 
@@ -288,11 +297,11 @@ class AdmissionGate:
                     break
         if self._overfull(len(victims), sum(v.cost for v in victims)):
             self._remove_queued(t)
-            self._counts["rejected"] += 1
+            self._counts.update(_refused("rejected", [t]))
             return [Rejection(t, "queue_full", self.retry_after(now))]
         for v in victims:
             self._remove_queued(v)
-        self._counts["evicted"] += len(victims)
+        self._counts.update(_refused("evicted", victims))
         return [Rejection(v, "evicted", self.retry_after(now)) for v in victims]
 
     def _saw(self, t: Ticket) -> None:
@@ -321,7 +330,7 @@ class AdmissionGate:
             borrowed_seqs=self._borrowed_seqs, inflight_tokens=self._inflight_tokens,
             queued_by_class={p.label: len(self._classes[p]) for p in PriorityClass},
             queued_tokens=self._queued_tokens, oldest_wait_s=0.0 if oldest is None else now - oldest, limits=self._limits,
-            **{k: self._counts[k] for k in ("admitted", "rejected", "cancelled", "evicted", "completed")},
+            **{k: self._counts[k] for k in COUNTS},
             peak_active=self._peak, own_idle_s=0.0 if own else now - self._own_seen)
 
     def waits(self, window_s: float) -> tuple[float, ...]:

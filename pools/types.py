@@ -215,6 +215,7 @@ class GateStats:
     cancelled: int
     evicted: int
     completed: int
+    own_refused: int = 0  # of those rejected and evicted, the pool's own requests (not borrowed ones)
     peak_active: int = 0  # most sequences active at once since the limits last changed
     active_requests: int = 0
     borrowed_requests: int = 0  # of the active requests, those of another pool (or a calibration sweep)

@@ -62,7 +62,7 @@ def test_the_controller_meets_a_load_step_in_one_move():
         c.tick()
     moves = [d for d in c.decisions() if d.old != d.new]
     assert [(d.old, d.new) for d in moves] == [(2, 16)]
-    assert "to 16, the top of the safe range (42 sequences running and waiting" in moves[0].reason
+    assert "to 16, the top of the safe range (42 sequences of its own running and waiting" in moves[0].reason
 
 
 def test_a_queue_as_deep_as_the_batch_moves_the_limit_at_the_report_that_shows_it():
@@ -165,11 +165,11 @@ def test_only_the_pools_own_work_under_its_limit_makes_a_deep_queue():
 
 def test_an_up_move_says_which_step_holds_the_demand():
     new, _, reason = decide(snap(queued=10, active=2), PolicyState(2, queue_ticks=1), CFG, NOW)
-    assert new == 16 and "to 16, the top of the safe range (12 sequences running and waiting per replica, 19 with " \
-                         "a burst)" in reason.text
+    assert new == 16 and ("to 16, the top of the safe range (12 sequences of its own running and waiting per "
+                          "replica, 19 with a burst)") in reason.text
     new, _, reason = decide(snap(queued=1, active=1), PolicyState(2, queue_ticks=1), CFG, NOW)
-    assert new == 8 and "to 8, which holds the 2 sequences running and waiting per replica and a burst (5)" \
-        in reason.text
+    assert new == 8 and ("to 8, which holds the 2 sequences of its own running and waiting per replica and a "
+                         "burst (5)") in reason.text
     new, _, reason = decide(snap(queued=1, active=4), PolicyState(8, queue_ticks=1), CFG, NOW)
     assert new == 16 and "holds" not in reason.text  # the next step: nothing more to say
 

@@ -19,6 +19,10 @@ CALM = PoolSnapshot(fresh=True, replicas=1, ttft_p99_s=0.2, tpot_p99_s=0.02, sam
 
 
 def snap(**kw) -> PoolSnapshot:
+    """A snapshot whose sequences running and requests waiting are the pool's own, unless
+    `own_running` and `own_queued` say how many of them are."""
+    kw.setdefault("own_running", kw.get("active", CALM.active))
+    kw.setdefault("own_queued", kw.get("queued", CALM.queued))
     return CALM.model_copy(update=kw)
 
 
@@ -53,12 +57,17 @@ CASES = [
     ("a queue as deep as the batch is per replica", own(16, 8, replicas=2), PolicyState(8), 8, "hold", "idle"),
     ("ttft breach under a queue as deep as the batch holds", own(8, 8, ttft_p99_s=1.5), PolicyState(8), 8,
      "hold", "slo_ttft_queued"),
-    ("a deep queue of borrowed work is no reason to grow", snap(queued=8, active=8), PolicyState(8), 8, "hold",
+    ("a deep queue of borrowed work is no reason to grow", snap(queued=8, active=8, own_running=0, own_queued=0),
+     PolicyState(8), 8, "hold",
      "idle"),
     ("a queue the next step holds goes to the step that holds it and a burst", snap(queued=1, active=2),
      PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("a queue beyond the range goes to its top", snap(queued=200, active=2), PolicyState(2, queue_ticks=1), 16,
-     "up", "queue"),
+     "up", "deep_queue"),
+    ("a standing queue of borrowed work is no reason to grow", snap(queued=5, own_queued=0),
+     PolicyState(8, queue_ticks=1), 8, "hold", "idle"),
+    ("a lender sizes for its own queue, not the borrowed backlog beside it",
+     snap(queued=21, active=2, own_running=2, own_queued=1), PolicyState(2, queue_ticks=1), 8, "up", "queue"),
     ("demand is per replica", snap(queued=4, active=2, replicas=2), PolicyState(2, queue_ticks=1), 8, "up",
      "queue"),
     ("queue persisting steps up", snap(queued=5), PolicyState(8, queue_ticks=1), 16, "up", "queue"),
@@ -114,14 +123,18 @@ def test_a_hold_in_the_band_names_what_pulled_up():
 
 @settings(max_examples=300, deadline=None)
 @given(target=st.sampled_from(RANGE.ladder[:-1]), queued=st.integers(0, 500), active=st.integers(0, 64),
-       replicas=st.integers(1, 4), ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3),
-       kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5), since=st.one_of(st.none(), st.floats(0, 200)))
+       borrowed_queued=st.integers(0, 500), borrowed_active=st.integers(0, 64), replicas=st.integers(1, 4),
+       ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3), kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5), since=st.one_of(st.none(), st.floats(0, 200)))
 def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_the_demand_and_a_burst(
-        target, queued, active, replicas, ttft, tpot, kv, ticks, since):
-    s = snap(queued=queued, active=active, replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
+        target, queued, active, borrowed_queued, borrowed_active, replicas, ttft, tpot, kv, ticks, since):
+    """Borrowed work beside the pool's own changes nothing: the move sizes for the own."""
+    s = snap(queued=queued + borrowed_queued, active=active + borrowed_active, own_queued=queued, own_running=active,
+             replicas=replicas, ttft_p99_s=ttft, tpot_p99_s=tpot, kv_usage=kv)
     state = PolicyState(target, queue_ticks=ticks, last_change_at=None if since is None else NOW - since,
                         last_direction=0 if since is None else 1)
     new, _, reason = decide(s, state, CFG, NOW)
+    alone, _, why = decide(s.model_copy(update={"queued": queued, "active": active}), state, CFG, NOW)
+    assert (new, reason.code) == (alone, why.code), (reason.text, why.text)
     assert new in RANGE.steps
     if RANGE.low <= target <= RANGE.high:
         wanted = sized(-(-(queued + active) // replicas))
@@ -192,7 +205,7 @@ def test_a_deep_queue_that_also_rejects_waits_its_cooldown_only():
     (+1, True, own(2, 2), 8, "up", "deep_queue"),  # still deep at the limit the up move set: it was too small
     (+1, True, own(2, 2, rejected_total=5), 8, "up", "rejections"),
     (+1, True, own(2, 1), 2, "hold", "cooldown"),  # no longer deep: the first move may be enough
-    (+1, True, snap(active=2, queued=6, own_running=2), 2, "hold", "cooldown"),  # borrowed work waiting
+    (+1, True, snap(active=2, queued=6, own_running=2, own_queued=0), 2, "hold", "idle"),  # borrowed work waiting
     (+1, False, own(2, 2), 2, "hold", "cooldown"),  # after a clamp up, or a move that followed one up already
     (0, False, own(2, 2), 2, "hold", "cooldown"),  # after a pin or an adoption, not a move of the autoscaler's
     (-1, False, own(2, 2), 2, "hold", "reversal_cooldown"),  # after a step down

@@ -1,0 +1,25 @@
+"""The gate's refusals of the pool's own requests, apart from borrowed ones."""
+
+from __future__ import annotations
+
+from pools.types import PriorityClass as P
+from tests.unit.test_gate import make_gate, offer
+
+
+def test_only_the_pools_own_refusals_count_as_its_own():
+    """The autoscaler steps a pool up on its refusals: a borrowed request turned away at a full
+    lender is the borrower's, and counted, it made the lender grow for another pool's backlog."""
+    gate, _ = make_gate(seqs=1, max_queued=2)
+    for _ in range(3):
+        offer(gate, prio=P.BORROWED)  # one runs, two wait
+    _, full = offer(gate, prio=P.BORROWED)
+    s = gate.stats()
+    assert [r.reason for r in full.rejected] == ["queue_full"] and (s.rejected, s.own_refused) == (1, 0)
+    offer(gate, prio=P.BATCH)  # runs beside the borrowed one
+    _, home = offer(gate, prio=P.BATCH)  # waits: the borrowed work waiting goes home, which is no refusal
+    assert [r.reason for r in home.rejected] == ["lender_busy", "lender_busy"]
+    offer(gate, prio=P.BATCH)
+    reasons = [r.reason for p in (P.INTERACTIVE, P.STANDARD, P.BATCH) for r in offer(gate, prio=p)[1].rejected]
+    assert reasons == ["evicted", "evicted", "queue_full"]  # the two batch requests waiting, then a third
+    s = gate.stats()
+    assert (s.rejected, s.evicted, s.own_refused) == (2, 2, 3)
