@@ -93,6 +93,7 @@ class ReplicaStatus(Frozen):
     admitted: int
     rejected: int
     evicted: int
+    own_refused: int  # of those rejected and evicted, the pool's own requests: what the autoscaler counts
     cancelled: int
     completed: int
     engine: EngineJson
@@ -110,8 +111,8 @@ class ReplicaStatus(Frozen):
             queued_tokens=g.queued_tokens, inflight_tokens=g.inflight_tokens,
             limits=LimitsJson(max_active_seqs=g.limits.max_active_seqs,
                               max_inflight_tokens=g.limits.max_inflight_tokens),
-            admitted=g.admitted, rejected=g.rejected, evicted=g.evicted, cancelled=g.cancelled,
-            completed=g.completed,
+            admitted=g.admitted, rejected=g.rejected, evicted=g.evicted, own_refused=g.own_refused,
+            cancelled=g.cancelled, completed=g.completed,
             engine=EngineJson(running=e.running, waiting=e.waiting, kv_usage=e.kv_usage, preemptions=e.preemptions,
                               generated_tokens=e.generated_tokens))
 

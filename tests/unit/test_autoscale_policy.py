@@ -124,7 +124,8 @@ def test_a_hold_in_the_band_names_what_pulled_up():
 @settings(max_examples=300, deadline=None)
 @given(target=st.sampled_from(RANGE.ladder[:-1]), queued=st.integers(0, 500), active=st.integers(0, 64),
        borrowed_queued=st.integers(0, 500), borrowed_active=st.integers(0, 64), replicas=st.integers(1, 4),
-       ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3), kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5), since=st.one_of(st.none(), st.floats(0, 200)))
+       ttft=st.floats(0.01, 3.0), tpot=st.floats(0.001, 0.3), kv=st.floats(0.0, 1.0), ticks=st.integers(0, 5),
+       since=st.one_of(st.none(), st.floats(0, 200)))
 def test_a_move_stays_on_the_ladder_inside_the_range_and_goes_no_further_than_the_demand_and_a_burst(
         target, queued, active, borrowed_queued, borrowed_active, replicas, ttft, tpot, kv, ticks, since):
     """Borrowed work beside the pool's own changes nothing: the move sizes for the own."""

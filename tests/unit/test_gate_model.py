@@ -117,6 +117,7 @@ class GateModel:
             assert r.retry_after_s > 0
             self.settle(r.ticket.id, {"queue_full": "rejected", "lender_busy": "returned"}.get(r.reason, "evicted"))
             self.reasons[r.reason] += 1
+            self.reasons["own_refused"] += r.reason != "lender_busy" and r.ticket.priority != P.BORROWED
 
     def check(self, changes: Changes) -> None:
         g, s = self.gate, self.gate.stats()
@@ -131,6 +132,7 @@ class GateModel:
         assert s.queued <= self.queue.max_queued and s.queued_tokens <= self.queue.max_queued_tokens
         assert (s.admitted, s.rejected, s.evicted) == (self.admissions, self.reasons["queue_full"],
                                                       self.reasons["evicted"])
+        assert s.own_refused == self.reasons["own_refused"]  # the autoscaler's signal: no borrowed refusal in it
         lim = g.limits
         alone = len(act) == 1
         if any(t.priority != P.BORROWED for t in changes.admitted) and not alone:

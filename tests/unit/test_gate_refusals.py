@@ -1,8 +1,13 @@
-"""The gate's refusals of the pool's own requests, apart from borrowed ones."""
+"""The pool's own requests refused, apart from borrowed ones: counted by the gate, summed for the
+autoscaler."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from autoscale.policy import aggregate
 from pools.types import PriorityClass as P
+from tests.unit.test_autoscale_controller import stats
 from tests.unit.test_gate import make_gate, offer
 
 
@@ -23,3 +28,11 @@ def test_only_the_pools_own_refusals_count_as_its_own():
     assert reasons == ["evicted", "evicted", "queue_full"]  # the two batch requests waiting, then a third
     s = gate.stats()
     assert (s.rejected, s.evicted, s.own_refused) == (2, 2, 3)
+
+
+def test_the_rejection_signal_counts_the_pools_own_refusals_only():
+    """A borrowed request turned away at a full lender is the borrower's: it made the lender grow."""
+    reports = [stats(replica=r) for r in ("r1", "r2")]
+    reports = [dataclasses.replace(s, gate=dataclasses.replace(s.gate, rejected=5, evicted=3, own_refused=n))
+               for s, n in zip(reports, (2, 1))]
+    assert aggregate(reports).rejected_total == 3
