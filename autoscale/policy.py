@@ -26,11 +26,10 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      clients' first tokens near the SLO meanwhile, bench/notes.md). Once only: a backlog that
      keeps growing at every limit (an engine whose throughput no longer grows with its batch)
      would otherwise climb the ladder a step a report on P99s measured before each step. Down
-     is one ladder step. Up is at
-     least one step, and as far as the step that holds every sequence of the pool's own
-     running and waiting (per replica) and room for its next burst (`sized`): a load step met one step per
-     cooldown left a backlog that a benchmark's high phase never drained (bench/notes.md),
-     where one move meets it at once;
+     is one ladder step. Up is at least one step, and as far as the step that holds every
+     sequence of the pool's own running and waiting (per replica) and room for its next
+     burst (`sized`): a load step met one step per cooldown left a backlog that a
+     benchmark's high phase never drained (bench/notes.md), where one move meets it at once;
   7. a move that rests on latency (up on headroom, down on an SLO breach) also waits
      `settle_s` after any change, the span the P99s are computed over, so that its
      evidence was measured at the current limit and not the one before. An up move while
@@ -52,7 +51,8 @@ TTFT a client sees: the engine's share shrinks a little, the queue's grows by wh
 lost throughput no longer serves. A benchmark showed it (bench/notes.md): a TTFT breach
 from CPU contention stepped the online pool to the bottom of its range under a standing
 queue, and the TTFT its clients saw grew manyfold. So an engine TTFT breach steps down only
-when none of the pool's own work waits; TPOT, KV and preemptions, which the batch does drive, step down regardless.
+when none of the pool's own work waits; TPOT, KV and preemptions, which the batch does drive,
+step down regardless.
 """
 
 from __future__ import annotations

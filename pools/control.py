@@ -1,10 +1,10 @@
 """The control plane's contract: what replicas report, what the controller answers, and what
 operators, the router, the CLI, the benchmarks and the tests read back.
 
-Reports and directives cross a Ray handle every report interval, and when a replica's queue turns
-deep (dataclasses: cheap to pickle). Status, describe and operator results cross HTTP as JSON (pydantic models: the
-admin API writes them with `model_dump(mode="json")`, clients read them back with
-`model_validate`), so no reader parses a dict by string keys.
+Reports and directives cross a Ray handle every report interval, and when a replica's queue
+turns deep (dataclasses: cheap to pickle). Status, describe and operator results cross HTTP as
+JSON (pydantic models: the admin API writes them with `model_dump(mode="json")`, clients read
+them back with `model_validate`), so no reader parses a dict by string keys.
 
 Epochs. Every change of a pool's limits (an autoscaler move, an operator's pin or unpin)
 takes the next epoch of that pool; a directive carries it and each replica echoes the

@@ -14,10 +14,10 @@ stream, and vLLM aborts the request). The priority class becomes vLLM's request
 `priority` (lower runs first), so the engine's own queue agrees with the gate's.
 
 A background loop reports the replica's stats to the autoscale controller every
-`report_interval_s` and applies the limits in the reply, and a request that queues behind a
-batch it makes a deep queue of reports at once; if the controller is away the replica keeps
-its last limits. The engine is behind `pools.engine.Engine`: the real one
-runs vLLM through ray.serve.llm (`pools.llm`), the unit tests a deterministic fake.
+`report_interval_s` and applies the limits in the reply; a request of the pool's own that
+queues into a deep queue sends a report at once. If the controller is away the replica keeps
+its last limits. The engine is behind `pools.engine.Engine`: the real one runs vLLM through
+ray.serve.llm (`pools.llm`), the unit tests a deterministic fake.
 """
 
 from __future__ import annotations
