@@ -47,11 +47,15 @@ class BatchApi:
 
     async def upload(self, request: Request) -> Response:
         async def run(tenant: TenantConfig) -> dict:
-            size = request.headers.get("content-length")  # the file, its name and the form's other fields
-            if size is not None and size.isdigit() and int(size) > self._s.max_file_bytes + FORM_FRAMING_BYTES:
+            limit = self._s.max_file_bytes + FORM_FRAMING_BYTES  # the file, its name and the form's other fields
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > limit:
                 raise _too_large(self._s.max_file_bytes)
-            try:
-                form = await request.form(max_files=1, max_fields=8)
+            try:  # a chunked body declares no size: it is counted as it arrives
+                form = await Request(request.scope, _bounded(request.receive, limit, self._s.max_file_bytes)).form(
+                    max_files=1, max_fields=8)
+            except ApiError:
+                raise
             except Exception as e:  # not multipart, or a broken one
                 raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
                                                        f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
@@ -166,6 +170,21 @@ class BatchApi:
             return JSONResponse(await step(self._tenant(request)))
         except ApiError as e:
             return e.response()
+
+
+def _bounded(receive: Callable[[], Awaitable[dict]], limit: int, file_limit: int) -> Callable[[], Awaitable[dict]]:
+    """`receive`, refusing the body once more than `limit` bytes of it arrived (the form parser
+    would spool any size to disk before the file's own size could be checked)."""
+    size = 0
+
+    async def bounded() -> dict:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise _too_large(file_limit)
+        return message
+    return bounded
 
 
 def _too_large(limit: int) -> ApiError:

@@ -322,3 +322,32 @@ def test_a_tenant_name_cannot_reach_outside_its_folder(world, tmp_path):
     _, _, _, files = world
     fid = _upload(files, "../evil", 1)
     assert files.content_path("../evil", fid).resolve().is_relative_to(tmp_path.resolve())
+
+
+@sync
+async def test_an_upload_without_a_declared_size_is_refused_once_it_passes_the_limit(api):
+    """A chunked upload declares no Content-Length: the form parser spooled all of it to disk
+    before the file's size was checked, so one request could fill the router's disk."""
+    app, _, _ = api
+    boundary = "poolserve-test"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\n"
+            "Content-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    chunk, chunks, pulled = b"x" * 1024, 400, 0  # 400 KiB against a 4 KiB file limit
+
+    async def body():
+        nonlocal pulled
+        for piece in (head, *[chunk] * chunks, f"\r\n--{boundary}--\r\n".encode()):
+            pulled += len(piece)
+            yield piece
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        r = await http.post("/v1/files", content=body(), headers={
+            "Authorization": "Bearer key-b", "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413 and "batches.max_file_bytes" in r.json()["error"]["message"], r.text
+    assert pulled <= 4096 + (16 << 10) + 2 * len(chunk), f"the router read {pulled} bytes of the body"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        r = await http.post("/v1/files", content=b"--x\r\n", headers={
+            "Authorization": "Bearer key-b", "Content-Type": "multipart/form-data; boundary=x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    assert [x async for x in sdk(app, "b").files.list()] == []
