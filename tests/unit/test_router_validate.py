@@ -53,11 +53,17 @@ def test_a_good_body_passes():
 
 @pytest.mark.parametrize("kind, body, max_tokens", [
     ("chat", {"messages": MSG}, 64 - 3),  # the rest of the context
+    ("chat", {"messages": MSG, "max_tokens": None}, 64 - 3),
     ("completions", {"prompt": "a b"}, 16),  # vLLM's default for completions
-    ("completions", {"prompt": "a b", "max_tokens": None}, 16),
+    ("completions", {"prompt": "a b", "max_tokens": None}, 16),  # vLLM's model turns an explicit null into 16
 ])
 def test_max_tokens_defaults_are_the_engines(kind, body, max_tokens):
-    assert asyncio.run(pricer().price(kind, body)).max_tokens == max_tokens
+    """The charge holds what the engine may generate, as vLLM's own serving works it out."""
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    priced = asyncio.run(pricer().price(kind, body))
+    assert priced.max_tokens == max_tokens
+    assert get_max_tokens(64, priced.body.max_tokens, priced.prompt_tokens, {}) == max_tokens
 
 
 @pytest.mark.parametrize("error, param", [
