@@ -9,6 +9,9 @@ from pydantic import Field, field_validator, model_validator
 
 from pools.config import Frozen
 from pools.types import PriorityClass
+from router.quota import HOLDER_TTL_S
+
+MAX_LEASE_TTL_S = HOLDER_TTL_S / 3  # the longest sync interval: a live replica may miss two before it is taken for dead
 
 PriorityName = Literal["interactive", "standard", "batch"]
 
@@ -108,7 +111,11 @@ class RouterConfig(Frozen):
                           "so no key or hash is baked into the Serve config.")
     log_prompts: bool = Field(False, description="Log prompt text (off: only sizes and outcomes are logged).")
     lease_fraction: float = Field(0.1, gt=0, le=1, description="Share of a quota one lease may take.")
-    lease_ttl_s: float = Field(5.0, gt=0, description="How often unused lease balances go back to the ledger.")
+    lease_ttl_s: float = Field(
+        5.0, gt=0, le=MAX_LEASE_TTL_S,
+        description=f"How often a replica syncs its leases with the ledger (unused balances go back); at most "
+                    f"{MAX_LEASE_TTL_S:g} s, as the ledger gives away the slots of a replica it has not heard from "
+                    f"for {HOLDER_TTL_S:g} s, running requests and all.")
     pool_view_interval_s: float = Field(1.0, gt=0, description="How often the router refreshes pool load.")
     view_max_age_s: float = Field(
         5.0, gt=0, description="A pool view older than this (the controller stopped answering) counts as unknown: "

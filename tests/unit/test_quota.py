@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from router.quota import Charge, Grant, LeaseBook, Need, Quota, QuotaLedger, TokenBucket
+from router.quota import HOLDER_TTL_S, Charge, Grant, LeaseBook, Need, Quota, QuotaLedger, TokenBucket
 
 
 @pytest.mark.parametrize("take, wait, expect_level, expect_ok", [
@@ -76,6 +76,25 @@ def test_slots_of_a_router_that_stopped_syncing_come_back():
     assert led.grant("t", "dead", Need(slots=1), 0.0).granted
     assert not led.grant("t", "live", Need(slots=1), 10.0).granted
     assert led.grant("t", "live", Need(slots=1), 31.0).granted
+
+
+def test_a_replica_syncing_as_seldom_as_the_config_allows_keeps_its_running_slots():
+    """`router.lease_ttl_s` had no bound: at 60 s a live replica's running slots went to another
+    after the ledger's 30 s without news, and the tenant ran twice its `max_concurrent`."""
+    from pydantic import ValidationError
+
+    from router.config import MAX_LEASE_TTL_S, RouterConfig
+
+    with pytest.raises(ValidationError, match="lease_ttl_s"):
+        RouterConfig(lease_ttl_s=HOLDER_TTL_S)
+    every = RouterConfig(lease_ttl_s=MAX_LEASE_TTL_S).lease_ttl_s
+    led = QuotaLedger({"t": Quota(max_concurrent=2)}, now=0.0)
+    assert led.grant("t", "a", Need(slots=2), 0.0).slots == 2  # two long streams start on replica a
+    now = 0.0
+    while now < 5 * HOLDER_TTL_S:
+        now += every
+        led.settle("t", "a", 0, 0, 2, now)  # its sync: both still run
+        assert not led.grant("t", "b", Need(slots=1), now + every - 1e-6).granted, now
 
 
 def book(**quota) -> LeaseBook:
