@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from autoscale.config import AutoscaleConfig
-from autoscale.policy import PolicyConfig, PolicyState, Reason, aggregate, decide, own_load
+from autoscale.policy import Events, PolicyConfig, PolicyState, Reason, aggregate, decide, own_load
 from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.operators import Operator, restore
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
@@ -53,6 +53,7 @@ class _PoolState:
     operator: Operator = field(default_factory=Operator)
     policy: PolicyState | None = None  # None until the first report is adopted
     reports: dict[str, tuple[float, ReplicaStats]] = field(default_factory=dict)  # replica -> (received, stats)
+    events: Events = field(default_factory=Events)
     calibration: CalibrationJson = field(default_factory=lambda: CalibrationJson(state="unknown"))
     measured: SafeRange | None = None  # the range of the profile the pool runs on, at its SLO
     profile: Profile | None = None  # that profile, as measured (at its sweep's SLO)
@@ -111,6 +112,7 @@ class Controller:
         p, now = self._pools[stats.pool], self._clock()
         _note_a_gap(stats, p.reports.get(stats.replica), now, self._config.stats_max_age_s)
         p.reports[stats.replica] = (now, stats)
+        p.events.note(stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
         fingerprint = p.set_ups.read(stats)
@@ -173,7 +175,7 @@ class Controller:
         return [(t, s) for (t, s) in self._pools[name].reports.values() if now - t <= max_age]
 
     def snapshot(self, name: str) -> PoolSnapshot:
-        return aggregate(self.replica_stats(name))
+        return aggregate(self.replica_stats(name), self._pools[name].events)
 
     def allowed(self, name: str) -> SafeRange:
         p = self._pools[name]

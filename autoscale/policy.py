@@ -58,7 +58,7 @@ step down regardless.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from infra.stats import percentile
@@ -124,8 +124,28 @@ class PolicyConfig:
         return value if value is not None and value > slo else None
 
 
-def aggregate(reports: Sequence[ReplicaStats]) -> PoolSnapshot:
-    """A pool's fresh replica reports as one snapshot (P99s over all their latency samples)."""
+@dataclass
+class Events:
+    """A pool's rejections and preemptions, counted as each replica's cumulative counters move.
+    A replica's first report is its baseline: summed over the fresh reports instead, a replica
+    back from a silence (or reporting late after a restart of the controller) added its whole
+    history at once, and the pool stepped down for preemptions minutes old."""
+
+    last: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica -> (own refused, preemptions)
+    refused: int = 0
+    preempted: int = 0
+
+    def note(self, stats: ReplicaStats) -> None:
+        now = (stats.gate.own_refused, stats.engine.preemptions)
+        if (before := self.last.get(stats.replica)) is not None:
+            self.refused += max(0, now[0] - before[0])
+            self.preempted += max(0, now[1] - before[1])
+        self.last[stats.replica] = now
+
+
+def aggregate(reports: Sequence[ReplicaStats], events: Events | None = None) -> PoolSnapshot:
+    """A pool's fresh replica reports as one snapshot (P99s over all their latency samples); the
+    rejection and preemption totals are `events`' where given, else the reports' sums."""
     if not reports:
         return PoolSnapshot(fresh=False)
     ttft = [x for s in reports for x in s.latency.ttft_s]
@@ -136,8 +156,8 @@ def aggregate(reports: Sequence[ReplicaStats]) -> PoolSnapshot:
         fresh=True, replicas=len(reports), queued=sum(s.gate.queued for s in reports),
         own_running=running, own_queued=waiting,
         queued_tokens=sum(s.gate.queued_tokens for s in reports), active=sum(s.gate.active for s in reports),
-        rejected_total=sum(s.gate.own_refused for s in reports),
-        preemptions_total=sum(s.engine.preemptions for s in reports),
+        rejected_total=events.refused if events is not None else sum(s.gate.own_refused for s in reports),
+        preemptions_total=events.preempted if events is not None else sum(s.engine.preemptions for s in reports),
         kv_usage=max(s.engine.kv_usage for s in reports),
         ttft_p99_s=percentile(ttft, 99) if ttft else None, tpot_p99_s=percentile(tpot, 99) if tpot else None,
         samples=min(len(ttft), len(tpot)) if tpot else len(ttft),

@@ -1,0 +1,81 @@
+"""The rejection and preemption signals count events, not which replicas happen to be fresh.
+
+Both are cumulative counters in each replica's reports. Summed over the fresh reports alone, a
+replica that fell silent and came back (or reported first after a restart of the controller)
+added its whole history at once: a pool stepped down for preemptions that were minutes old."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pools.types import EngineStats
+from tests.unit.test_autoscale_controller import controller, stats
+
+
+def counted(replica: str, preemptions: int = 0, refused: int = 0, **kw):
+    s = stats(replica=replica, **kw)
+    return dataclasses.replace(s, engine=EngineStats(preemptions=preemptions),
+                               gate=dataclasses.replace(s.gate, own_refused=refused))
+
+
+def moves(c) -> list[tuple[int, int, str]]:
+    return [(d.old, d.new, d.code) for d in c.decisions() if d.old != d.new]
+
+
+def test_a_replica_back_from_silence_adds_no_old_preemptions():
+    c, clock = controller()
+    c.report(counted("r1"))
+    c.report(counted("r2", preemptions=50))
+    c.tick()
+    for _ in range(8):  # r2 is silent for 40 s: past stats_max_age_s and the cooldown
+        clock.t += 5
+        c.report(counted("r1"))
+        c.tick()
+    for _ in range(12):  # r2 is back, nothing new happened on it; past every cooldown
+        clock.t += 5
+        c.report(counted("r1"))
+        c.report(counted("r2", preemptions=50))
+        c.tick()
+    assert moves(c) == []
+    clock.t += 5
+    c.report(counted("r2", preemptions=53))  # three new ones
+    c.report(counted("r1"))
+    c.tick()
+    assert moves(c) == [(8, 4, "preemption")]
+
+
+def test_a_replica_first_seen_late_adds_no_history():
+    """A restarted controller hears from its replicas one by one."""
+    c, clock = controller()
+    for _ in range(8):  # past the cooldown
+        clock.t += 5
+        c.report(counted("r1"))
+        c.tick()
+    for _ in range(12):
+        clock.t += 5
+        c.report(counted("r1"))
+        c.report(counted("r2", preemptions=50, refused=40))
+        c.tick()
+    assert moves(c) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(history=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), min_size=3, max_size=3),
+       schedule=st.lists(st.tuples(st.frozensets(st.sampled_from([0, 1, 2])), st.sampled_from([1.0, 5.0, 15.0])),
+                         min_size=1, max_size=40))
+def test_counters_that_never_move_never_move_the_limit(history, schedule):
+    """Three replicas report counters fixed from the start, any of them silent at any time, for
+    any while: no decision reads a preemption or a rejection."""
+    c, clock = controller()
+    for i, (preempted, refused) in enumerate(history):
+        c.report(counted(f"r{i}", preempted, refused))
+    c.tick()
+    for reporting, wait in schedule:
+        clock.t += wait
+        for i in sorted(reporting):
+            c.report(counted(f"r{i}", *history[i]))
+        c.tick()
+    assert not [d for d in c.decisions() if d.code in ("preemption", "rejections")]
