@@ -202,8 +202,13 @@ class Batches:
         self._count(record)
         state = self._runner.status(job) if job else None
         if status == "cancelling" or (status == "in_progress" and now >= record["expires_at"]):
-            if job is not None and state not in ("SUCCEEDED", *_STOPPED):
-                self._runner.stop(job)
+            # the next attempt's job too: it may have started before a crash kept this record from naming it
+            after = _job_name(record, record["_attempts"] + 1)
+            running = [j for j, s in ((job, state), (after, self._runner.status(after)))
+                       if j is not None and s not in ("SUCCEEDED", *_STOPPED)]
+            if running:
+                for j in running:
+                    self._runner.stop(j)
                 self._save(record)
                 return
             self._finalize(record, "cancelled" if status == "cancelling" else "expired")
@@ -235,7 +240,7 @@ class Batches:
         args = ["--input", str(path),
                 "--output", str(self._output(record)), "--key-file", str(self._folder(record) / "key"),
                 "--url", self._s.router_url, "--pool", self._s.pool_prefix, "--concurrency", str(self._s.concurrency)]
-        record["_job"] = self._runner.submit(f"poolserve-{record['id']}-{record['_attempts'] + 1}", args)
+        record["_job"] = self._runner.submit(_job_name(record, record["_attempts"] + 1), args)
         record["_attempts"] += 1
         if record["status"] == "validating":
             record["status"], record["in_progress_at"] = "in_progress", int(self._clock())
@@ -322,6 +327,11 @@ def _read(path: Path) -> dict | None:
             and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
         return None
     return record
+
+
+def _job_name(record: dict, attempt: int) -> str:
+    """The job of a batch's `attempt`: one name, so that a job started before a crash is found again."""
+    return f"poolserve-{record['id']}-{attempt}"
 
 
 def _rows(path: Path):

@@ -52,7 +52,7 @@ class FakeRunner:
     def status(self, job_id: str) -> str:
         if self.down:
             raise ConnectionError("job API unreachable")
-        return self.jobs[job_id]["state"]
+        return self.jobs[job_id]["state"] if job_id in self.jobs else "FAILED"  # as `RayJobRunner` answers a 404
 
     def stop(self, job_id: str) -> None:
         if self.down:
@@ -341,6 +341,8 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     for _ in range(300):
         record = batches.get("acme", b["id"])
         if record["status"] in TERMINAL:
+            running = [j for j, x in runner.jobs.items() if x["state"] == "RUNNING"]
+            assert not running, f"seed {seed}: the batch is {record['status']} and job {running} still runs"
             break
         batches._files.create = create_file
         move = rng.random()
