@@ -80,7 +80,12 @@ class RayJobRunner:
                 raise
 
     def logs(self, job_id: str) -> str:
-        return _client(self._address).get_job_logs(job_id)
+        try:
+            return _client(self._address).get_job_logs(job_id)
+        except RuntimeError as e:
+            if _lost(e):  # else the batch whose last attempt Ray lost could not fail: it waited out its window
+                return f"(Ray no longer knows job {job_id}: its logs are lost)"
+            raise
 
 
 def _lost(e: RuntimeError) -> bool:

@@ -193,14 +193,15 @@ def test_an_entrypoint_keeps_paths_whole_and_runs_nothing_in_them():
 
 def test_a_job_ray_no_longer_knows_ends_failed_and_stopping_it_is_done(monkeypatch):
     """Ray answers 404 for a job it lost (a head restarted without its GCS): the batch stayed
-    in_progress for good and could not be cancelled. A failed job is resumed by a new one."""
+    in_progress for good and could not be cancelled. A failed job is resumed by a new one; the
+    last attempt's lost logs raised, and its batch waited out its window instead of failing."""
     from deployments import batch_cli
 
     class Lost:
         def _gone(self, job_id):
             raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
 
-        get_job_status = stop_job = _gone
+        get_job_status = stop_job = get_job_logs = _gone
 
     class Down:
         def get_job_status(self, job_id):
@@ -210,6 +211,7 @@ def test_a_job_ray_no_longer_knows_ends_failed_and_stopping_it_is_done(monkeypat
     runner = batch_cli.RayJobRunner("http://head:8265")
     assert runner.status("poolserve-batch_1-1") == "FAILED"
     runner.stop("poolserve-batch_1-1")  # nothing left to stop
+    assert "no longer knows" in runner.logs("poolserve-batch_1-1")  # its batch's last attempt can fail
     monkeypatch.setattr(batch_cli, "_client", lambda address: Down())
     with pytest.raises(RuntimeError, match="503"):  # not knowing is not "gone": the poll asks again
         runner.status("poolserve-batch_1-1")
