@@ -92,7 +92,8 @@ def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, no
 
 
 def _pinned(p: _PoolState) -> int | None:
-    return p.sweep if p.sweep is not None else p.operator.pinned
+    """The operator's pin beats a background sweep's (which lets go, `Calibrator`)."""
+    return p.operator.pinned if p.operator.pinned is not None else p.sweep
 
 
 class Controller:
@@ -132,7 +133,7 @@ class Controller:
               and (moved := self._decide(stats.pool, at_tick=False)) is not None):
             self._between.append(moved)  # up at once, not at the next tick
         target = min(max(self.target(stats.pool), allowed.low), allowed.high)  # the range may have just moved
-        reason = "sweep" if p.sweep is not None else "pinned" if p.operator.pinned is not None else ""
+        reason = "pinned" if p.operator.pinned is not None else "sweep" if p.sweep is not None else ""
         return LimitsDirective(allowed.limits_for(target), allowed, p.operator.epoch, reason)
 
     # -- decisions ---------------------------------------------------------------
@@ -248,7 +249,11 @@ class Controller:
 
     def needs_sweep(self) -> list[str]:
         now = self._clock()
-        return [n for n, p in self._pools.items() if p.calibration.state == "calibrating" and now >= p.sweep_after]
+        return [n for n, p in self._pools.items()
+                if p.calibration.state == "calibrating" and now >= p.sweep_after and p.operator.pinned is None]
+
+    def operator_pin(self, name: str) -> int | None:
+        return self._pools[name].operator.pinned
 
     def sweep_progress(self, name: str, detail: str) -> None:
         self._pools[name].calibration = self._pools[name].calibration.model_copy(update={"detail": detail})

@@ -157,6 +157,7 @@ class Calibrator:
         before may still end: they are the sweep's own); `NotNow` if it has not since `since` + `WAIT_FOR_POOL_S`."""
         quiet_s = self._c.spec(name).calibration.quiet_s
         while True:
+            self._not_pinned(name)
             now, reports = self._clock(), self._c.replica_stats(name)
             if not reports or any(s.gate.own_work for s in reports):
                 self._busy_at = now
@@ -167,6 +168,11 @@ class Calibrator:
             elif now - self._busy_at >= quiet_s:
                 return
             await self._sleep(0.2)
+
+    def _not_pinned(self, name: str) -> None:
+        """An operator's pin holds the pool at its own limit: no step can measure it meanwhile."""
+        if (pin := self._c.operator_pin(name)) is not None:
+            raise NotNow(f"the operator pinned it at {pin}")
 
     async def _measure(self, name: str, seqs: int) -> LadderRow:
         cal = self._c.spec(name).calibration
@@ -194,6 +200,7 @@ class Calibrator:
         measure_from = start + cal.warmup_s
         while True:
             await self._sleep(min(0.5, cal.check_s / 4))
+            self._not_pinned(name)
             now, timed = self._clock(), self._c.replica_reports(name)
             reports = [s for _, s in timed]
             counters.add(timed)

@@ -10,6 +10,7 @@ from autoscale.store import ProfileStore
 from deployments.admin_client import AdminClient
 from infra.state import MemoryStore
 from tests.unit.test_selfcal import FP, FakePool, controller, report, spec
+from tests.unit.virtual_time import run
 
 
 def test_own_traffic_between_two_steps_is_not_held_at_the_last_steps_pin():
@@ -58,3 +59,41 @@ def test_a_pin_is_in_force_only_once_every_replica_echoes_its_epoch(monkeypatch)
     result = AdminClient("http://admin", "k").pin("p", 4, calibrating=True)
     assert result.epoch == before + 1 and len(polls) == 3
     assert c.status("p").applied(result.epoch) and not c.status("p").applied(result.epoch + 1)
+
+
+def test_an_operators_pin_holds_against_a_background_sweep():
+    """A sweep's pin beat the operator's: a pool pinned at 2 while it needed a sweep was swept
+    through its ladder (the sweep took precedence, and a new one started whenever it was quiet)."""
+    c = controller(spec())
+    report(c, FP)
+    assert c.calibration("p").state == "calibrating" and c.needs_sweep() == ["p"]
+    c.sweep_pin("p", 8)
+    c.pin("p", 2)
+    d = report(c, FP)
+    assert (c.status("p").pinned, d.limits.max_active_seqs, d.reason) == (2, 2, "pinned")
+    assert c.needs_sweep() == []
+    c.sweep_pin("p", None)
+    c.unpin("p")
+    assert c.needs_sweep() == ["p"]
+
+
+def test_a_sweep_stops_when_the_operator_pins_its_pool():
+    """It measured its steps at the operator's limit, not its own."""
+    async def go():
+        clock = asyncio.get_running_loop().time
+        c = controller(spec(sweep=(1, 4, 16, 64, 128)), ProfileStore(MemoryStore()), clock)
+        pool = FakePool(c)
+        report(c, FP)
+        reporter = asyncio.get_running_loop().create_task(pool.report_forever())
+        sweep = asyncio.get_running_loop().create_task(Calibrator(c, pool.handle, 2048, clock=clock).step())
+        while c.status("p").pinned != 4:  # the second step measures
+            await asyncio.sleep(0.05)
+        c.pin("p", 2)
+        await asyncio.wait_for(sweep, 600)  # virtual seconds: bounds a hang only
+        reporter.cancel()
+        return c
+
+    c = run(go)
+    calibration = c.calibration("p")
+    assert calibration.state == "calibrating" and "the operator pinned it at 2" in calibration.detail, calibration
+    assert c.status("p").pinned == 2 and c.needs_sweep() == []
