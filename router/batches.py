@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from infra.batchfile import ENDPOINTS, jsonl_lines, read_input
+from infra.batchfile import ENDPOINTS, jsonl_lines, read_input, result_line
 from router.errors import ApiError
 from router.files import FileStore, expiry_seconds, page, tenant_dir, write_whole
 
@@ -261,9 +261,15 @@ class Batches:
             record["status"], record["finalizing_at"], record["_final"] = "finalizing", int(self._clock()), status
             self._save(record)
         self._count(record)
-        good, bad = [], []
+        good, bad, seen = [], [], set()
         for row in _rows(self._output(record)):
             (good if _answered(row) else bad).append(json.dumps(row))
+            seen.add(row["custom_id"])
+        unreached = [result_line(r.custom_id, None, None, None, {"code": f"batch_{status}", "message": (
+            f"the batch was {status} before this request ran")}).rstrip("\n") for r in self._requests(record)
+            if status != "completed" and r.custom_id not in seen]  # as OpenAI's (`batch_expired`)
+        bad += unreached
+        record["request_counts"]["failed"] += len(unreached)
         for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
             if rows and record[field] is None:  # a file written before a failed finalize is kept, not written twice
                 meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
@@ -271,6 +277,14 @@ class Batches:
                 record[field] = meta["id"]
                 self._save(record)
         self._finish(record, status)
+
+    def _requests(self, record: dict) -> list:
+        """The batch's requests, or none if its input is gone (its end then says so)."""
+        try:
+            path = self._files.content_path(record["_tenant"], record["input_file_id"], expired_ok=True)
+        except ApiError:
+            return []
+        return read_input(jsonl_lines(path.read_bytes(), errors="replace"))[0]
 
     def _finish(self, record: dict, status: str) -> None:
         record["status"] = status
