@@ -79,6 +79,9 @@ class BatchesConfig(Frozen):
                                                                 "counted).")
     max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")
     max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
+    max_active_per_tenant: int = Field(8, ge=1, description=(
+        "Batches one tenant may have unfinished at once (each runs as a Ray job on the cluster); a create beyond "
+        "gets 429 until one ends or is cancelled."))
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
 
     @property

@@ -68,6 +68,7 @@ class BatchSettings:
     concurrency: int = 64
     max_attempts: int = 3
     max_lines: int = 50_000
+    max_active: int = 8  # unfinished batches per tenant
 
 
 class Batches:
@@ -98,6 +99,10 @@ class Batches:
         if meta["purpose"] != "batch":
             raise ApiError(400, "invalid_value", f"file {input_file_id!r} has purpose {meta['purpose']!r}; upload "
                                                  "the input with purpose 'batch'", "input_file_id")
+        if (active := sum(r["status"] not in TERMINAL for r in self._records(tenant))) >= self._s.max_active:
+            raise ApiError(429, "too_many_batches", f"tenant {tenant!r} has {active} batches unfinished, the most "
+                                                    "it may have at once (batches.max_active_per_tenant): wait for "
+                                                    "one to end, or cancel one")
         now = int(self._clock())
         batch_id = f"batch_{uuid.uuid4().hex[:24]}"
         record = {
@@ -121,11 +126,12 @@ class Batches:
         return _public(self._load(tenant, batch_id))
 
     def list(self, tenant: str, limit: int = 20, after: str | None = None) -> dict:
-        folder = tenant_dir(self._s.root, tenant) / "batches"
-        records = [r for p in (folder.glob("batch_*.json") if folder.is_dir() else ())
-                   if (r := _read(p)) is not None]
-        records.sort(key=lambda r: (-r["created_at"], r["id"]))
+        records = sorted(self._records(tenant), key=lambda r: (-r["created_at"], r["id"]))
         return page([_public(r) for r in records], limit, after)
+
+    def _records(self, tenant: str) -> list[dict]:
+        folder = tenant_dir(self._s.root, tenant) / "batches"
+        return [r for p in (folder.glob("batch_*.json") if folder.is_dir() else ()) if (r := _read(p)) is not None]
 
     def cancel(self, tenant: str, batch_id: str) -> dict:
         record = self._load(tenant, batch_id)

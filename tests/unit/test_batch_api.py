@@ -351,3 +351,24 @@ async def test_an_upload_without_a_declared_size_is_refused_once_it_passes_the_l
             "Authorization": "Bearer key-b", "Content-Type": "multipart/form-data; boundary=x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "file"
     assert [x async for x in sdk(app, "b").files.list()] == []
+
+
+@sync
+async def test_a_tenant_has_at_most_so_many_batches_unfinished(api):
+    """Each batch runs as a Ray job: a tenant could start as many as it liked on the cluster."""
+    app, runner, batches = api
+    client, other = sdk(app, "b"), sdk(app, "a")
+    f = await client.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    made = [await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+            for _ in range(8)]
+    with pytest.raises(openai.RateLimitError) as e:
+        await client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert e.value.body["code"] == "too_many_batches" and "batches.max_active_per_tenant" in e.value.body["message"]
+    assert len(runner.jobs) == 8, "no job for the refused one"
+    g = await other.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    assert (await other.batches.create(input_file_id=g.id, endpoint="/v1/completions",
+                                       completion_window="24h")).status == "in_progress", "another tenant's own count"
+    await client.batches.cancel(made[0].id)
+    batches.poll()  # the cancel ends it
+    assert (await client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                        completion_window="24h")).status == "in_progress"
