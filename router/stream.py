@@ -161,7 +161,9 @@ class PoolStream:
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)
-        err = getattr(first, "error", None) if not isinstance(first, (list, str)) else None
+        # Ray LLM sends a streamed request that vLLM's serving refused as the error, in its first chunk's place
+        head = first[0] if isinstance(first, list) and first else first
+        err = getattr(head, "error", None) if not isinstance(head, (list, str)) else None
         if err is not None and hasattr(err, "message"):
             status = int(getattr(err, "code", 400) or 400)
             self._s.never_ran = True

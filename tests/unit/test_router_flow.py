@@ -296,3 +296,31 @@ def test_an_unreachable_controller_is_a_503_for_operators_and_answers_are_typed(
     assert LendingResult.model_validate(lending.json()) == LendingResult(pool="p", lending=False)
     assert SloResult.model_validate(slo.json()) == SloResult(pool="p", ttft_p99_ms=500, tpot_p99_ms=50)
     assert calls == [("p", False), ("p", 500)]
+
+
+def test_a_stream_the_engine_refused_is_a_4xx_and_costs_nothing():
+    """Ray LLM answers a streamed request that vLLM's serving refused with the error object in
+    place of the first chunk: the route sent it as a 200 stream and kept the whole charge."""
+    from types import SimpleNamespace
+
+    from pools.types import Admitted, Finished
+
+    err = SimpleNamespace(error=SimpleNamespace(message="the tools are invalid", code=400, type="BadRequestError"),
+                          model_dump_json=lambda: '{"error": {"message": "the tools are invalid"}}')
+
+    async def refusing(call):
+        yield Admitted("p", "r1", 0.0)
+        yield [err]
+        yield Finished(None, None, 0.01)
+
+    async def go():
+        router, _ = make_router(FakePool(refusing))
+        settled, finish = [], router._quota.finish
+        router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+        async with client(router) as c:
+            r = await c.post("/p/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth("a"))
+        return r, router, settled
+
+    r, router, settled = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the tools are invalid", r.text
+    assert settled == [0] and books_closed(router)
