@@ -54,6 +54,8 @@ class _PoolState:
     policy: PolicyState | None = None  # None until the first report is adopted
     reports: dict[str, tuple[float, ReplicaStats]] = field(default_factory=dict)  # replica -> (received, stats)
     events: Events = field(default_factory=Events)
+    first_report_at: float | None = None  # of this controller: adoption waits a while for a replica that is current
+    restored_epoch: int = field(init=False)  # the epoch the controller before this one left
     calibration: CalibrationJson = field(default_factory=lambda: CalibrationJson(state="unknown"))
     measured: SafeRange | None = None  # the range of the profile the pool runs on, at its SLO
     profile: Profile | None = None  # that profile, as measured (at its sweep's SLO)
@@ -64,6 +66,9 @@ class _PoolState:
     discarded_sweeps: int = 0  # sweeps of this start that were not evidence (`autoscale.ranges.not_evidence`)
     sweep_after: float = 0.0  # no new sweep before this (after a discarded one)
     set_ups: SetUps = field(default_factory=SetUps)
+
+    def __post_init__(self) -> None:
+        self.restored_epoch = self.operator.epoch
 
     def forget_set_up(self, now: float) -> None:
         """What the old set-up measured says nothing of a new one: its range, and the latency its
@@ -91,6 +96,15 @@ def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, no
                     "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0], max_age)
 
 
+def _waits_for_a_current_replica(p: _PoolState, stats: ReplicaStats, now: float, wait_s: float) -> bool:
+    """A controller that starts over adopts the pool's limit from a replica that applied the last
+    directive; one behind it (a new replica at its starting limit, or one that missed directives)
+    is adopted only if none current reports within `wait_s`. Adopted first, a new replica's
+    limit was sent to all the others (16 -> 2) under the epoch they had already applied."""
+    p.first_report_at = now if p.first_report_at is None else p.first_report_at
+    return stats.applied_epoch < p.restored_epoch and _pinned(p) is None and now - p.first_report_at < wait_s
+
+
 def _pinned(p: _PoolState) -> int | None:
     """The operator's pin beats a background sweep's (which lets go, `Calibrator`)."""
     return p.operator.pinned if p.operator.pinned is not None else p.sweep
@@ -116,18 +130,21 @@ class Controller:
         p.events.note(stats)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
-        fingerprint = p.set_ups.read(stats)
-        if _settles(p, stats, fingerprint, now, GONE_AFTER_REPORTS * self._config.stats_max_age_s):
+        fingerprint, gone_after = p.set_ups.read(stats), GONE_AFTER_REPORTS * self._config.stats_max_age_s
+        if _settles(p, stats, fingerprint, now, gone_after):
             self._settle_profile(p, fingerprint)
         if fingerprint is not None:
             p.set_ups.note(stats.replica, fingerprint, now, p.fingerprint)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
-            adopted = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
-            # This controller cannot know when the one before it (if any) last moved the limits,
-            # and the replicas' P99s may predate that move: count its cooldown and settling from now.
-            p.policy = PolicyState(target=adopted, last_change_at=now)
-            log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, adopted, stats.replica)
+            own = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
+            if _waits_for_a_current_replica(p, stats, now, gone_after):  # this one keeps its own meanwhile
+                return LimitsDirective(allowed.limits_for(own), allowed, stats.applied_epoch, "")
+            # the controller before may have just moved the limits, and P99s predate that: a change now
+            p.policy = PolicyState(target=own, last_change_at=now)
+            if stats.applied_epoch < p.restored_epoch:  # none current came: a change for the others
+                self._bump(p)
+            log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, own, stats.replica)
         elif (not self._config.dry_run and _pinned(p) is None
               and deep_queue(*own_load(fresh := self.replica_stats(stats.pool)), len(fresh), p.policy.target)
               and (moved := self._decide(stats.pool, at_tick=False)) is not None):
