@@ -10,12 +10,12 @@ from pathlib import Path
 
 
 
-def load_or_report(path: str):
+def load_or_report(path: str, router: dict | None = None):
     """The resolved config, warnings printed; None (problems printed) when it is invalid."""
     from deployments.config import ConfigError, load
 
     try:
-        resolved = load(path)
+        resolved = load(path, router)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return None
@@ -95,12 +95,12 @@ def _cmd_serve(args) -> int:
     from deployments.batch_cli import DEFAULT_ADDRESS
     from deployments.config import local_jobs_problem
 
-    resolved = load_or_report(args.config)
+    given = {"host": args.host, "port": args.port}  # the batch jobs reach the router where it listens
+    resolved = load_or_report(args.config, {k: v for k, v in given.items() if v is not None})
     if resolved is None:
         return 1
     c = resolved.config
-    host = args.host or c.router.host
-    port = args.port or c.router.port
+    host, port = c.router.host, c.router.port
     dashboard = None  # of the Ray started here
     if c.ray.address:
         try:

@@ -203,10 +203,15 @@ def read_yaml(path: str | Path) -> Any:
                                               "check the path")])
 
 
-def load(path: str | Path) -> Resolved:
-    """Read, parse, check and resolve a config file; raise ConfigError with every problem."""
+def load(path: str | Path, router: dict | None = None) -> Resolved:
+    """Read, parse, check and resolve a config file, with `router` settings given on the command
+    line over the file's (checked as the file's are: a shipped key on a host other machines
+    reach is refused either way); raise ConfigError with every problem."""
     path = Path(path)
-    config = parse(read_yaml(path), str(path))
+    data = read_yaml(path)
+    if router:
+        data = {**data, "router": {**(data.get("router") or {}), **router}} if isinstance(data, dict) else data
+    config = parse(data, str(path))
     return resolve(config, path.resolve().parent, str(path))
 
 

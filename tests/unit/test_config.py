@@ -290,3 +290,18 @@ def test_a_batch_api_with_no_job_api_to_submit_to_is_refused_before_ray_starts(m
     assert (problem is not None) is refused
     assert problem is None or "ray.dashboard" in problem and "batches.dashboard_url" in problem
     assert local_jobs_problem(check(base(), model_dir)) is None  # no Batch API, nothing to submit
+
+
+def test_the_command_lines_host_and_port_are_checked_and_used_as_the_configs(monkeypatch, capsys):
+    """`poolserve serve --host 0.0.0.0` checked the shipped example keys against the config's
+    127.0.0.1 and served them to the network; `--port` left the batch jobs posting to :8000."""
+    import deployments.app
+    from deployments.cli import main
+    from deployments.config import load
+
+    local = str(REPO / "deployments/configs/local.yaml")
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["serve", local, "--host", "0.0.0.0"]) == 1
+    assert "a key poolserve ships in its examples, on a router other machines reach" in capsys.readouterr().err
+    moved = load(local, {"port": 9000})
+    assert moved.config.router.port == 9000 and moved.config.router.host == "127.0.0.1"
