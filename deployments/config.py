@@ -79,9 +79,8 @@ class BatchesConfig(Frozen):
                                                                 "counted).")
     max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")
     max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
-    max_active_per_tenant: int = Field(8, ge=1, description=(
-        "Batches one tenant may have unfinished at once (each runs as a Ray job on the cluster); a create beyond "
-        "gets 429 until one ends or is cancelled."))
+    max_active_per_tenant: int = Field(8, ge=1, description="Batches one tenant may have unfinished at once (each "
+                                       "runs as a Ray job); a create beyond gets 429 until one ends or is cancelled.")
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
 
     @property
@@ -204,13 +203,11 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def load(path: str | Path, router: dict | None = None) -> Resolved:
-    """Read, parse, check and resolve a config file, with `router` settings given on the command
-    line over the file's (checked as the file's are: a shipped key on a host other machines
-    reach is refused either way); raise ConfigError with every problem."""
-    path = Path(path)
-    data = read_yaml(path)
-    if router:
-        data = {**data, "router": {**(data.get("router") or {}), **router}} if isinstance(data, dict) else data
+    """Read, parse, check and resolve a config file, `router` settings of the command line over
+    the file's (checked alike); raise ConfigError with every problem."""
+    path, data = Path(path), read_yaml(path)
+    if router and isinstance(data, dict):
+        data = {**data, "router": {**(data.get("router") or {}), **router}}
     config = parse(data, str(path))
     return resolve(config, path.resolve().parent, str(path))
 

@@ -140,7 +140,11 @@ class Batches:
                 raise ApiError(409, "batch_not_cancellable", f"batch {batch_id!r} is {record['status']} already")
             return _public(record)
         record["status"], record["cancelling_at"] = "cancelling", int(self._clock())
-        self._advance(record)
+        self._save(record)  # accepted, whatever the job API answers now: a poll stops the job and ends it
+        try:
+            self._advance(record)
+        except Exception:  # noqa: BLE001 - the job API away
+            log.warning("batch %s: cancelling; its job is stopped at a later poll", batch_id, exc_info=True)
         return _public(record)
 
     def poll(self) -> None:
@@ -196,18 +200,15 @@ class Batches:
     def _advance(self, record: dict) -> None:
         now = int(self._clock())
         status, job = record["status"], record["_job"]
-        if status == "validating":
-            if now >= record["expires_at"]:
-                self._finish(record, "expired")
-            else:
-                self._submit(record)
+        if status == "validating" and now < record["expires_at"]:
+            self._submit(record)
             return
         if status == "finalizing":  # a finalize that failed half-way: done again, the job never rerun
             self._finalize(record, record["_final"])
             return
         self._count(record)
         state = self._runner.status(job) if job else None
-        if status == "cancelling" or (status == "in_progress" and now >= record["expires_at"]):
+        if status in ("cancelling", "validating") or (status == "in_progress" and now >= record["expires_at"]):
             # the next attempt's job too: it may have started before a crash kept this record from naming it
             after = _job_name(record, record["_attempts"] + 1)
             running = [j for j, s in ((job, state), (after, self._runner.status(after)))

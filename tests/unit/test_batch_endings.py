@@ -55,3 +55,19 @@ def test_every_line_of_a_batch_that_ends_early_is_accounted_for(world, end):
     assert sorted(r["custom_id"] for r in answered + errors) == sorted(f"req-{i}" for i in range(10))
     missing = [r for r in errors if r["response"] is None]
     assert len(missing) == 6 and {r["error"]["code"] for r in missing} == {f"batch_{end}"}
+
+
+def test_a_cancel_while_the_job_api_is_down_is_kept(world):
+    """A cancel that asked the job API whether a job had started raised while it was down: the
+    cancel was never saved, and a poll once it was back submitted the batch."""
+    clock, runner, service, files = world
+    batches = service()
+    runner.down = True
+    b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
+    assert b["status"] == "validating" and batches.cancel("acme", b["id"])["status"] == "cancelling"
+    batches = service()  # what was saved
+    batches.poll()
+    runner.down = False
+    batches.poll()
+    b = batches.get("acme", b["id"])
+    assert b["status"] == "cancelled" and runner.jobs == {} and b["request_counts"]["failed"] == 3
