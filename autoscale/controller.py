@@ -96,13 +96,22 @@ def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, no
                     "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0], max_age)
 
 
-def _waits_for_a_current_replica(p: _PoolState, stats: ReplicaStats, now: float, wait_s: float) -> bool:
-    """A controller that starts over adopts the pool's limit from a replica that applied the last
-    directive; one behind it (a new replica at its starting limit, or one that missed directives)
-    is adopted only if none current reports within `wait_s`. Adopted first, a new replica's
-    limit was sent to all the others (16 -> 2) under the epoch they had already applied."""
+def _adoptable(p: _PoolState, stats: ReplicaStats, now: float, wait_s: float, max_age: float
+               ) -> ReplicaStats | None:
+    """The report a controller that starts over adopts the pool's limit from (None: not yet): one
+    that applied the last directive; if none came within `wait_s`, the fresh one furthest along.
+    A new replica, still at its starting limit, reporting first once sent all the others down to
+    it (16 -> 2) under the epoch they had applied."""
     p.first_report_at = now if p.first_report_at is None else p.first_report_at
-    return stats.applied_epoch < p.restored_epoch and _pinned(p) is None and now - p.first_report_at < wait_s
+    if stats.applied_epoch >= p.restored_epoch or _pinned(p) is not None:
+        return stats
+    if now - p.first_report_at < wait_s:
+        return None
+    return max((s for t, s in p.reports.values() if now - t <= max_age), key=lambda s: s.applied_epoch)
+
+
+def _sweepable(p: _PoolState, now: float) -> bool:
+    return p.calibration.state == "calibrating" and now >= p.sweep_after and p.operator.pinned is None
 
 
 def _pinned(p: _PoolState) -> int | None:
@@ -137,14 +146,15 @@ class Controller:
             p.set_ups.note(stats.replica, fingerprint, now, p.fingerprint)
         allowed = self.allowed(stats.pool)
         if p.policy is None:
-            own = min(max(stats.gate.limits.max_active_seqs, allowed.low), allowed.high)
-            if _waits_for_a_current_replica(p, stats, now, gone_after):  # this one keeps its own meanwhile
+            source = _adoptable(p, stats, now, gone_after, self._config.stats_max_age_s)
+            own = min(max((source or stats).gate.limits.max_active_seqs, allowed.low), allowed.high)
+            if source is None:  # behind the last directive: it keeps its own limit, and its epoch, meanwhile
                 return LimitsDirective(allowed.limits_for(own), allowed, stats.applied_epoch, "")
             # the controller before may have just moved the limits, and P99s predate that: a change now
             p.policy = PolicyState(target=own, last_change_at=now)
-            if stats.applied_epoch < p.restored_epoch:  # none current came: a change for the others
+            if source.applied_epoch < p.restored_epoch:  # none current came: a change for the others
                 self._bump(p)
-            log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, own, stats.replica)
+            log.info("pool %s: adopted max_active_seqs=%d from replica %s", stats.pool, own, source.replica)
         elif (not self._config.dry_run and _pinned(p) is None
               and deep_queue(*own_load(fresh := self.replica_stats(stats.pool)), len(fresh), p.policy.target)
               and (moved := self._decide(stats.pool, at_tick=False)) is not None):
@@ -162,10 +172,11 @@ class Controller:
 
     def _decide(self, name: str, at_tick: bool = True) -> DecisionJson | None:
         p, now = self._pools[name], self._clock()
-        if p.policy is None or _pinned(p) is not None:
+        if p.policy is None or _pinned(p) is not None:  # what a pin or a sweep causes is not the autoscaler's
+            p.policy = p.policy and p.policy.seen(p.events)
             return None
         old = p.policy.target
-        cfg = _policy_config(self._config, self.allowed(name), self.slo(name))
+        cfg = PolicyConfig.of(self._config, self.allowed(name), self.slo(name))
         new, state, reason = decide(self.snapshot(name), p.policy, cfg, now, at_tick)
         if not at_tick and reason.action != "up":  # only an up move is made between ticks
             return None
@@ -173,8 +184,7 @@ class Controller:
             p.policy = state
             if new != old:
                 self._bump(p)
-        else:
-            # Dry run: keep the bookkeeping (queue ticks, counters) but never the move.
+        else:  # dry run: keep the bookkeeping (queue ticks, counters) but never the move
             p.policy = replace(state, target=old, last_change_at=p.policy.last_change_at,
                                last_direction=p.policy.last_direction, follow_up=p.policy.follow_up)
         decision = DecisionJson(time=self._wall(), pool=name, old=old, new=new, action=reason.action,
@@ -224,7 +234,7 @@ class Controller:
                           replicas=tuple(ReplicaStatus.of(s) for s in self.replica_stats(name)))
 
     def decisions(self, limit: int = 100) -> list[DecisionJson]:
-        return list(self._log)[-limit:]
+        return list(self._log)[max(0, len(self._log) - max(0, limit)):]  # [-0:] would be all of it
 
     def calibration(self, name: str) -> CalibrationJson:
         return self._pools[name].calibration
@@ -266,8 +276,7 @@ class Controller:
 
     def needs_sweep(self) -> list[str]:
         now = self._clock()
-        return [n for n, p in self._pools.items()
-                if p.calibration.state == "calibrating" and now >= p.sweep_after and p.operator.pinned is None]
+        return [n for n, p in self._pools.items() if _sweepable(p, now)]
 
     def operator_pin(self, name: str) -> int | None:
         return self._pools[name].operator.pinned
@@ -371,14 +380,6 @@ def _remember(decisions: collections.deque[DecisionJson], p: _PoolState, d: Deci
         level = logging.INFO if d.old != d.new else logging.DEBUG
         log.log(level, "pool %s: %d -> %d %s%s", d.pool, d.old, d.new, reason,
                 "" if d.applied else " (dry run, not applied)")
-
-
-def _policy_config(c: AutoscaleConfig, allowed: SafeRange, slo: SloJson) -> PolicyConfig:
-    return PolicyConfig(
-        safe_range=allowed, ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
-        cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
-        headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
-        settle_s=c.latency_window_s, min_step_gain=c.min_step_gain)
 
 
 def _view(p: _PoolState, seqs: int, now: float, max_age: float) -> PoolView:

@@ -59,11 +59,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from infra.stats import percentile
 from pools.control import PoolSnapshot, ReplicaStats
 from pools.types import SafeRange, deep_queue
+
+if TYPE_CHECKING:
+    from autoscale.config import AutoscaleConfig
+    from pools.control import SloJson
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,10 @@ class PolicyState:
         latency window count from `now`, with no direction of the autoscaler's to reverse or follow."""
         return replace(self, last_change_at=now, last_direction=0, follow_up=False)
 
+    def seen(self, events: "Events") -> "PolicyState":
+        """Every rejection and preemption so far counted as seen (a pin's or a sweep's are their own)."""
+        return replace(self, seen_rejected=events.refused, seen_preemptions=events.preempted)
+
     def restarted(self, now: float) -> "PolicyState":
         """The same target, with nothing kept of the latency measured before `now` (the pool's
         replicas moved to another set-up): the cooldown and the settling window count from now."""
@@ -114,6 +122,14 @@ class PolicyConfig:
     min_samples: int
     settle_s: float = 0.0
     min_step_gain: float = 0.1
+
+    @classmethod
+    def of(cls, c: "AutoscaleConfig", allowed: SafeRange, slo: "SloJson") -> "PolicyConfig":
+        """A pool's: the autoscaler's settings, its safe range and its SLO."""
+        return cls(safe_range=allowed, ttft_slo_s=slo.ttft_p99_ms / 1e3, tpot_slo_s=slo.tpot_p99_ms / 1e3,
+                   cooldown_s=c.cooldown_s, reversal_cooldown_s=c.reversal_cooldown_s, kv_watermark=c.kv_watermark,
+                   headroom=c.headroom, queue_persist_ticks=c.queue_persist_ticks, min_samples=c.min_samples,
+                   settle_s=c.latency_window_s, min_step_gain=c.min_step_gain)
 
     def breach(self, snap: PoolSnapshot, code: str) -> float | None:
         """The P99 (s) behind an SLO code, when it is above its SLO with enough samples."""

@@ -133,8 +133,8 @@ class PoolSnapshot(Frozen):
     active: int = 0
     own_running: int = 0  # the pool's own sequences, at most each replica's limit (`GateStats.own_load`)
     own_queued: int = 0
-    rejected_total: int = 0  # the pool's own requests rejected or evicted (`GateStats.own_refused`)
-    preemptions_total: int = 0
+    rejected_total: int = 0  # the pool's own requests rejected or evicted (`GateStats.own_refused`), and
+    preemptions_total: int = 0  # the engines' preemptions: since this controller began (`autoscale.policy.Events`)
     kv_usage: float = 0.0
     ttft_p99_s: float | None = None
     tpot_p99_s: float | None = None

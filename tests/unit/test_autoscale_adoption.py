@@ -59,3 +59,22 @@ def test_with_no_current_replica_the_first_is_adopted_after_a_while_under_a_new_
 def test_a_controller_with_nothing_stored_adopts_the_first_report():
     c = Controller({"p": PoolSpec("p", RANGE, 1.0, 0.1, 32)}, AutoscaleConfig(), Clock())
     assert c.report(at("any", 4, 0)).limits.max_active_seqs == 4 and c.target("p") == 4
+
+
+def test_after_the_wait_the_replica_furthest_along_is_adopted_whichever_reports():
+    """Taken from whichever reported when the wait ran out, a new replica's starting limit could
+    still win over one that had applied a later directive."""
+    c, clock = restarted(epoch=4)
+    for _ in range(5):
+        c.report(at("lagging", 16, 3))
+        c.report(at("new", 2, 0))
+        clock.t += 6
+    d = c.report(at("new", 2, 0))  # the wait is over at the new replica's report
+    assert d.limits.max_active_seqs == 16 and c.target("p") == 16
+
+
+def test_the_decision_log_answers_the_limit_asked():
+    c, clock = restarted(epoch=1)
+    for seqs in (2, 4, 8):
+        c.pin("p", seqs)
+    assert c.decisions(0) == [] and [d.new for d in c.decisions(2)] == [4, 8] and len(c.decisions(100)) == 3

@@ -79,3 +79,22 @@ def test_counters_that_never_move_never_move_the_limit(history, schedule):
             c.report(counted(f"r{i}", *history[i]))
         c.tick()
     assert not [d for d in c.decisions() if d.code in ("preemption", "rejections")]
+
+
+def test_preemptions_under_a_pin_are_not_answered_after_it():
+    """A sweep drives the engine to its ceiling and preempts, on purpose; once it let go, the
+    pool stepped down for them (the counters moved on while no decision looked at them)."""
+    c, clock = controller()
+    c.report(counted("r1"))
+    c.tick()
+    c.pin("p", 16)
+    for k in range(1, 9):
+        clock.t += 5
+        c.report(counted("r1", preemptions=10 * k))
+        c.tick()
+    c.unpin("p")
+    for _ in range(10):
+        clock.t += 5
+        c.report(counted("r1", preemptions=80))
+        c.tick()
+    assert [m for m in moves(c) if m[2] == "preemption"] == []
