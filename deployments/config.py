@@ -104,8 +104,8 @@ class PoolserveConfig(Frozen):
     def _names(cls, v: dict[str, PoolConfig]) -> dict[str, PoolConfig]:
         for name in v:
             if not POOL_NAME.match(name):
-                raise ValueError(f"pool name {name!r} must be lowercase letters, digits and '-', "
-                                 "starting with a letter (it names a Serve deployment)")
+                raise ValueError(f"pool name {name!r} must be lowercase letters, digits and '-', starting with a "
+                                 "letter, and not 'control' (it names a Serve application)")
         return v
 
 
@@ -360,9 +360,9 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
         problems += _check_pool(config, name, p)
     prefixes = [p.route_prefix for p in config.pools.values()]
     for name, p in config.pools.items():
-        if prefixes.count(p.route_prefix) > 1 or p.route_prefix == "/v1":
-            problems.append(Problem(f"pools.{name}.route_prefix", p.route_prefix, "taken by another route",
-                                    "give each pool its own prefix (not /v1)"))
+        if prefixes.count(p.route_prefix) > 1:
+            problems.append(Problem(f"pools.{name}.route_prefix", p.route_prefix, "taken by another pool",
+                                    "give each pool its own prefix"))
     source_path = _path(base_dir, config.model.source)
     model_source = str(source_path) if source_path.exists() else config.model.source
     hf = read_hf_config(source_path)

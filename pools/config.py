@@ -11,7 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-POOL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+POOL_NAME = re.compile(r"^(?!control$)[a-z][a-z0-9-]{0,30}$")  # `control` names poolserve's own application
+ROUTER_PATHS = ("/v1", "/admin", "/healthz", "/docs", "/redoc")  # the control application's, at the root
 
 
 class Frozen(BaseModel):
@@ -226,4 +227,6 @@ class PoolConfig(Frozen):
     def _prefix(cls, v: str) -> str:
         if not re.fullmatch(r"/[a-z][a-z0-9-]*", v):
             raise ValueError(f"{v!r} must look like '/online': a slash and a lowercase name")
+        if v in ROUTER_PATHS:  # Serve gives the longest prefix to the pool, which answers only its own paths
+            raise ValueError(f"{v!r} is a path of poolserve's router ({', '.join(ROUTER_PATHS)}); choose another")
         return v

@@ -305,3 +305,29 @@ def test_the_command_lines_host_and_port_are_checked_and_used_as_the_configs(mon
     assert "a key poolserve ships in its examples, on a router other machines reach" in capsys.readouterr().err
     moved = load(local, {"port": 9000})
     assert moved.config.router.port == 9000 and moved.config.router.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"pools.online-chat.route_prefix": "/admin"}, "a path of poolserve's router"),
+    ({"pools.online-chat.route_prefix": "/healthz"}, "a path of poolserve's router"),
+    ({"pools.online-chat.route_prefix": "/v1"}, "a path of poolserve's router"),
+    ({"pools.offline-batch.route_prefix": "/online"}, "taken by another pool"),
+], ids=["admin", "healthz", "v1", "twice"])
+def test_a_pool_cannot_take_the_routers_paths(model_dir, change, words):
+    """A pool at /admin took every /admin call (Serve gives the longest prefix to the pool, which
+    answers only its own paths): operators could no longer pin a limit."""
+    [(path, value)] = change.items()
+    with pytest.raises(ConfigError) as info:
+        check(set_path(base(), path, value), model_dir)
+    assert words in str(info.value)
+
+
+def test_a_pool_cannot_be_named_control(model_dir):
+    """It replaced the control application: no router, no controller, no quota ledger."""
+    data = base()
+    data["pools"]["control"] = data["pools"].pop("online-chat")
+    data["pools"]["offline-batch"]["borrow"]["into"] = "control"
+    data["tenants"][0]["pools"] = ["control", "offline-batch"]
+    with pytest.raises(ConfigError) as info:
+        check(data, model_dir)
+    assert "not 'control'" in str(info.value)
