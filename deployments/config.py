@@ -240,7 +240,7 @@ def _shipped(c: PoolserveConfig, key: str, digest: str | None, out: list[Problem
 
 def _check_tenants(c: PoolserveConfig, warnings: list[str]) -> list[Problem]:
     out, local = [], []
-    names, hashes = set(), set()
+    names, hashes = set(), {c.router.admin_key_sha256}
     _shipped(c, "router.admin_key_sha256", c.router.admin_key_sha256, out, local)
     for i, t in enumerate(c.tenants):
         key = f"tenants[{i}]"
@@ -251,8 +251,8 @@ def _check_tenants(c: PoolserveConfig, warnings: list[str]) -> list[Problem]:
                                f"set key_sha256 ({KEY_FIX}), or router.keys_dir to a folder holding a file "
                                f"named {t.name!r}"))
         if t.key_sha256 is not None and t.key_sha256 in hashes:
-            out.append(Problem(f"{key}.key_sha256", t.key_sha256[:12] + "...", "two tenants share one key",
-                               "give each tenant its own key"))
+            out.append(Problem(f"{key}.key_sha256", t.key_sha256[:12] + "...", "another tenant or the admin has "
+                               "this key", "give each tenant its own key, and the admin another"))
         _shipped(c, f"{key}.key_sha256", t.key_sha256, out, local)
         names.add(t.name)
         hashes.add(t.key_sha256)

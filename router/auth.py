@@ -82,4 +82,10 @@ def keys_from_dir(tenants: tuple[TenantConfig, ...], admin_sha256: str | None, k
     if missing:
         raise ValueError(f"no key for tenant(s) {missing}: set tenants[].key_sha256 or put a file named after "
                          f"each in router.keys_dir ({keys_dir})")
-    return out, read("admin") or admin_sha256
+    admin = read("admin") or admin_sha256
+    holders = [t.name for t in out] + ["admin"] * (admin is not None)
+    digests = [t.key_sha256 for t in out] + [admin] * (admin is not None)
+    if shared := sorted({h for h, d in zip(holders, digests) if digests.count(d) > 1}):
+        raise ValueError(f"{', '.join(shared)} share one key (router.keys_dir {keys_dir}, or the config's hashes): "
+                         "a request would be taken for whichever comes first; give each its own")
+    return out, admin

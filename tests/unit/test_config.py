@@ -331,3 +331,28 @@ def test_a_pool_cannot_be_named_control(model_dir):
     with pytest.raises(ConfigError) as info:
         check(data, model_dir)
     assert "not 'control'" in str(info.value)
+
+
+def test_no_two_holders_share_a_key(tmp_path, model_dir):
+    """The mounted Secret's file `admin` is the admin key: a tenant named admin got the admin's
+    powers with its own key; two tenants with one key billed whichever came first."""
+    from pydantic import ValidationError
+
+    from router.auth import keys_from_dir, sha256_hex
+    from router.config import TenantConfig
+
+    with pytest.raises(ValidationError, match="names the admin key"):
+        TenantConfig(name="admin", pools=("p",))
+    same = set_path(set_path(base(), "router", {"admin_key_sha256": KEY}), "tenants.0.key_sha256", KEY)
+    with pytest.raises(ConfigError, match="another tenant or the admin has this key"):
+        check(same, model_dir)
+    tenants = (TenantConfig(name="a", pools=("p",)), TenantConfig(name="b", pools=("p",)))
+    for files in ({"a": "k-one", "b": "k-one"}, {"a": "k-one", "b": "k-two", "admin": "k-two"}):
+        folder = tmp_path / "-".join(files.values())
+        folder.mkdir()
+        for name, key in files.items():
+            (folder / name).write_text(key)
+        with pytest.raises(ValueError, match="share one key"):
+            keys_from_dir(tenants, None, str(folder))
+    with pytest.raises(ValueError, match="a, admin share one key"):  # hashes only, no folder
+        keys_from_dir((TenantConfig(name="a", pools=("p",), key_sha256=sha256_hex("k-x")),), sha256_hex("k-x"), None)
