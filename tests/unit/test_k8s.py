@@ -272,3 +272,18 @@ def test_haproxy_reaches_every_pod_when_the_config_asks_for_it():
     for pod in pods:
         [c] = pod["template"]["spec"]["containers"]
         assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in c["env"]
+
+
+def test_the_batch_job_manifest_follows_the_config(tmp_path):
+    """It named the tenant batch-team and the prefix /offline whatever the config said: the
+    job's pod failed to start on a missing Secret key, or sent to a pool that was not there."""
+    config = yaml.safe_load(CONFIG.read_text())
+    config["pools"]["offline-batch"]["route_prefix"] = "/bulk"
+    for t in config["tenants"]:
+        t["name"] = {"batch-team": "team-a"}.get(t["name"], t["name"])
+    path = tmp_path / "k8s.yaml"
+    path.write_text(yaml.safe_dump(config))
+    job = yaml.safe_load(render(path)["rayjob-batch.yaml"].split("\n", 1)[1])
+    assert "--pool bulk " in job["spec"]["entrypoint"]
+    [head] = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e for e in head["env"]}["POOLSERVE_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "team-a"
