@@ -101,9 +101,10 @@ def start_local_ray(ray_config, **init: Any) -> str | None:
     return f"http://{init['dashboard_host']}:{init['dashboard_port']}" if init.get("include_dashboard") else None
 
 
-def free_port(host: str, first: int, tries: int = 50, skip: Collection[int] = ()) -> int:
-    """The first port from `first` that the dashboard can bind, tested as Ray tests it, and not
-    one of `skip` (ports this Ray is given for something else)."""
+def free_port(host: str, first: int, tries: int = 50, skip: Collection[int] = (), what: str = "Ray's dashboard"
+              ) -> int:
+    """The first port from `first` that `what` can bind on `host`, tested as Ray tests it, and
+    not one of `skip` (ports this Ray is given for something else)."""
     for port in (p for p in range(first, first + tries) if p not in skip):
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,7 +115,19 @@ def free_port(host: str, first: int, tries: int = 50, skip: Collection[int] = ()
                     continue
                 raise  # not a taken port: the host itself (an address it does not have, say)
             return port
-    raise RuntimeError(f"no free port for Ray's dashboard in {first}-{first + tries - 1}")
+    raise RuntimeError(f"no free port for {what} in {first}-{first + tries - 1}")
+
+
+def on_free_metrics_port(resolved: Resolved) -> Resolved:
+    """For a Ray poolserve starts itself: `ray.metrics_export_port`, or the first free port after
+    it. Taken (8080 often is), Ray's agent failed to bind it and Ray's start timed out after 30 s
+    saying only that the node did not come up."""
+    ray_config = resolved.config.ray
+    port = free_port("", ray_config.metrics_export_port, what="Ray's metrics (ray.metrics_export_port)")
+    if port == ray_config.metrics_export_port:
+        return resolved
+    ray_config = ray_config.model_copy(update={"metrics_export_port": port})
+    return dataclasses.replace(resolved, config=resolved.config.model_copy(update={"ray": ray_config}))
 
 
 def on_local_dashboard(resolved: Resolved, url: str | None) -> Resolved:

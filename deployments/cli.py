@@ -91,7 +91,7 @@ def _cmd_serve(args) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import APP_NAME, deploy, on_local_dashboard, start_local_ray
+    from deployments.app import APP_NAME, deploy, on_free_metrics_port, on_local_dashboard, start_local_ray
     from deployments.batch_cli import DEFAULT_ADDRESS
     from deployments.config import local_jobs_problem
 
@@ -115,6 +115,11 @@ def _cmd_serve(args) -> int:
         print(f"{args.config}: {problem}", file=sys.stderr)
         return 1
     else:
+        moved = on_free_metrics_port(resolved)
+        if (metrics := moved.config.ray.metrics_export_port) != c.ray.metrics_export_port:
+            print(f"warning: port {c.ray.metrics_export_port} (ray.metrics_export_port) is taken: Ray's metrics are "
+                  f"on {metrics}")
+        resolved, c = moved, moved.config
         dashboard = start_local_ray(c.ray, include_dashboard=c.ray.dashboard)
         resolved = on_local_dashboard(resolved, dashboard)
     serve.start(http_options={"host": host, "port": port})

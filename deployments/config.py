@@ -32,7 +32,7 @@ class RayConfig(Frozen):
 
     address: str | None = Field(None, description="Join this cluster instead of starting one.")
     num_cpus: int = Field(8, ge=1, description="Logical CPUs; more than the cores so every actor schedules.")
-    metrics_export_port: int = Field(8080, ge=1, le=65535, description="Ray's Prometheus endpoint.")
+    metrics_export_port: int = Field(8080, ge=1, le=65535, description="Ray's Prometheus endpoint (else the next free).")
     dashboard: bool = Field(False, description="Start the dashboard (needed for job submission).")
     access_logs: bool = Field(
         False, description="Serve's access line for every call between deployments (reports, views, quota "

@@ -115,14 +115,14 @@ def stack():
     import ray
     from ray import serve
 
-    from deployments.app import deploy, on_local_dashboard, start_local_ray
+    from deployments.app import deploy, on_free_metrics_port, on_local_dashboard, start_local_ray
     from deployments.config import load
 
     if not (MODEL / "config.json").exists():
         from pools.tiny_model import make_tiny_model
 
         make_tiny_model(MODEL)
-    resolved = load(CONFIG)
+    resolved = on_free_metrics_port(load(CONFIG))
     c = resolved.config
     # The shell that starts Ray asks vLLM for another KV cache: the engines keep the config's
     # (test_kv_estimator_matches_vllm_startup_log). Ray's processes have it from here on.

@@ -356,3 +356,38 @@ def test_no_two_holders_share_a_key(tmp_path, model_dir):
             keys_from_dir(tenants, None, str(folder))
     with pytest.raises(ValueError, match="a, admin share one key"):  # hashes only, no folder
         keys_from_dir((TenantConfig(name="a", pools=("p",), key_sha256=sha256_hex("k-x")),), sha256_hex("k-x"), None)
+
+
+def test_a_taken_metrics_port_moves_to_the_next_free_one(model_dir):
+    """With 8080 taken (by anything on the machine), Ray's agent could not bind its metrics port
+    and `poolserve serve` failed after 30 s with "the node timed out during startup"."""
+    import socket
+
+    from deployments.app import on_free_metrics_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        resolved = check(set_path(base(), "ray", {"metrics_export_port": port}), model_dir)
+        moved = on_free_metrics_port(resolved).config.ray.metrics_export_port
+        assert moved != port and moved > port
+    assert on_free_metrics_port(check(set_path(base(), "ray", {"metrics_export_port": moved}), model_dir)
+                                ).config.ray.metrics_export_port == moved, "a free port stays"
+
+
+def test_serve_keeps_its_http_port_when_the_metrics_port_moves(monkeypatch):
+    """The moved metrics port once took the HTTP port's variable: Serve's proxy bound it."""
+    import deployments.app
+    from ray import serve
+
+    from deployments.cli import main
+
+    started = {}
+    monkeypatch.setattr(deployments.app, "free_port", lambda host, first, **kw: first + 1)  # every port taken
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: started.update(ray=ray_config))
+    monkeypatch.setattr(serve, "start", lambda http_options: started.update(http=http_options))
+    monkeypatch.setattr(deployments.app, "deploy", lambda *a: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        main(["serve", str(REPO / "deployments/configs/local.yaml")])
+    assert started["http"] == {"host": "127.0.0.1", "port": 8000} and started["ray"].metrics_export_port == 8081
