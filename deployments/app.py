@@ -123,7 +123,8 @@ def on_free_metrics_port(resolved: Resolved) -> Resolved:
     it. Taken (8080 often is), Ray's agent failed to bind it and Ray's start timed out after 30 s
     saying only that the node did not come up."""
     ray_config = resolved.config.ray
-    port = free_port("", ray_config.metrics_export_port, what="Ray's metrics (ray.metrics_export_port)")
+    port = free_port("", ray_config.metrics_export_port, what="Ray's metrics (ray.metrics_export_port)",
+                     skip={resolved.config.router.port})  # free now, but Serve binds it next
     if port == ray_config.metrics_export_port:
         return resolved
     ray_config = ray_config.model_copy(update={"metrics_export_port": port})
@@ -341,7 +342,9 @@ def build_batches(resolved: Resolved) -> Application | None:
     from router.batches import BatchSettings
 
     c = resolved.config
-    settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://127.0.0.1:{c.router.port}",
+    host = "127.0.0.1" if c.router.host in ("0.0.0.0", "::", "") else f"[{c.router.host}]" if ":" in c.router.host \
+        else c.router.host  # where Serve listens: the batch jobs run on this node (the head)
+    settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://{host}:{c.router.port}",
                              resolved.pools[resolved.batch_pool].config.route_prefix.lstrip("/"),
                              c.batches.concurrency, c.batches.max_attempts, c.batches.max_lines,
                              c.batches.max_active_per_tenant)

@@ -48,8 +48,8 @@ class TenantConfig(Frozen):
     def _name(cls, v: str) -> str:
         if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", v):
             raise ValueError(f"{v!r} must be lowercase letters, digits, '-' or '_'")
-        if v == "admin":  # router.keys_dir's file `admin` is the admin key: the tenant's would be the same
-            raise ValueError("'admin' names the admin key (its file in router.keys_dir); give the tenant another name")
+        if v in ("admin", "hf-token"):  # files of router.keys_dir (the Secret) that hold other keys
+            raise ValueError(f"{v!r} names another key's file in router.keys_dir; give the tenant another name")
         return v
 
     @field_validator("key_sha256")

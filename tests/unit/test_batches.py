@@ -240,6 +240,7 @@ def test_a_batch_that_never_reached_its_job_expires(world):
     b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
     clock.now += 24 * 3600
     batches.poll()  # whether a job started before a crash, only the job API can say
+    assert batches.get("acme", b["id"])["status"] == "validating"
     runner.down = False
     batches.poll()
     b = batches.get("acme", b["id"])

@@ -292,21 +292,6 @@ def test_a_batch_api_with_no_job_api_to_submit_to_is_refused_before_ray_starts(m
     assert local_jobs_problem(check(base(), model_dir)) is None  # no Batch API, nothing to submit
 
 
-def test_the_command_lines_host_and_port_are_checked_and_used_as_the_configs(monkeypatch, capsys):
-    """`poolserve serve --host 0.0.0.0` checked the shipped example keys against the config's
-    127.0.0.1 and served them to the network; `--port` left the batch jobs posting to :8000."""
-    import deployments.app
-    from deployments.cli import main
-    from deployments.config import load
-
-    local = str(REPO / "deployments/configs/local.yaml")
-    monkeypatch.setattr(deployments.app, "start_local_ray", lambda *a, **k: pytest.fail("Ray was started"))
-    assert main(["serve", local, "--host", "0.0.0.0"]) == 1
-    assert "a key poolserve ships in its examples, on a router other machines reach" in capsys.readouterr().err
-    moved = load(local, {"port": 9000})
-    assert moved.config.router.port == 9000 and moved.config.router.host == "127.0.0.1"
-
-
 @pytest.mark.parametrize("change, words", [
     ({"pools.online-chat.route_prefix": "/admin"}, "a path of poolserve's router"),
     ({"pools.online-chat.route_prefix": "/healthz"}, "a path of poolserve's router"),
@@ -341,8 +326,9 @@ def test_no_two_holders_share_a_key(tmp_path, model_dir):
     from router.auth import keys_from_dir, sha256_hex
     from router.config import TenantConfig
 
-    with pytest.raises(ValidationError, match="names the admin key"):
-        TenantConfig(name="admin", pools=("p",))
+    for reserved in ("admin", "hf-token"):
+        with pytest.raises(ValidationError, match="names another key's file"):
+            TenantConfig(name=reserved, pools=("p",))
     same = set_path(set_path(base(), "router", {"admin_key_sha256": KEY}), "tenants.0.key_sha256", KEY)
     with pytest.raises(ConfigError, match="another tenant or the admin has this key"):
         check(same, model_dir)
@@ -356,38 +342,3 @@ def test_no_two_holders_share_a_key(tmp_path, model_dir):
             keys_from_dir(tenants, None, str(folder))
     with pytest.raises(ValueError, match="a, admin share one key"):  # hashes only, no folder
         keys_from_dir((TenantConfig(name="a", pools=("p",), key_sha256=sha256_hex("k-x")),), sha256_hex("k-x"), None)
-
-
-def test_a_taken_metrics_port_moves_to_the_next_free_one(model_dir):
-    """With 8080 taken (by anything on the machine), Ray's agent could not bind its metrics port
-    and `poolserve serve` failed after 30 s with "the node timed out during startup"."""
-    import socket
-
-    from deployments.app import on_free_metrics_port
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        resolved = check(set_path(base(), "ray", {"metrics_export_port": port}), model_dir)
-        moved = on_free_metrics_port(resolved).config.ray.metrics_export_port
-        assert moved != port and moved > port
-    assert on_free_metrics_port(check(set_path(base(), "ray", {"metrics_export_port": moved}), model_dir)
-                                ).config.ray.metrics_export_port == moved, "a free port stays"
-
-
-def test_serve_keeps_its_http_port_when_the_metrics_port_moves(monkeypatch):
-    """The moved metrics port once took the HTTP port's variable: Serve's proxy bound it."""
-    import deployments.app
-    from ray import serve
-
-    from deployments.cli import main
-
-    started = {}
-    monkeypatch.setattr(deployments.app, "free_port", lambda host, first, **kw: first + 1)  # every port taken
-    monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: started.update(ray=ray_config))
-    monkeypatch.setattr(serve, "start", lambda http_options: started.update(http=http_options))
-    monkeypatch.setattr(deployments.app, "deploy", lambda *a: (_ for _ in ()).throw(SystemExit(7)))
-    with pytest.raises(SystemExit):
-        main(["serve", str(REPO / "deployments/configs/local.yaml")])
-    assert started["http"] == {"host": "127.0.0.1", "port": 8000} and started["ray"].metrics_export_port == 8081

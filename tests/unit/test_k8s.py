@@ -287,3 +287,12 @@ def test_the_batch_job_manifest_follows_the_config(tmp_path):
     assert "--pool bulk " in job["spec"]["entrypoint"]
     [head] = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert {e["name"]: e for e in head["env"]}["POOLSERVE_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "team-a"
+
+
+def test_a_config_with_shipped_keys_is_not_rendered_for_a_cluster():
+    """Rendered, the local config's example keys (the admin key among them) were served on every
+    address: the serveConfig sets no host, and the check had read the config's 127.0.0.1."""
+    from deployments.config import ConfigError
+
+    with pytest.raises(ConfigError, match="a key poolserve ships in its examples"):
+        render(REPO / "deployments/configs/local.yaml")

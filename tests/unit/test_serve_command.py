@@ -1,0 +1,80 @@
+"""`poolserve serve` on a machine of its own: the command line's router settings are the
+config's, checked alike; the ports it needs may be taken; the batch jobs find the router."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from deployments.config import ConfigError
+from tests.unit.test_config import REPO, base, check, model_dir, set_path  # noqa: F401 (a fixture)
+
+
+def test_the_command_lines_host_and_port_are_checked_and_used_as_the_configs(monkeypatch, capsys):
+    """`poolserve serve --host 0.0.0.0` checked the shipped example keys against the config's
+    127.0.0.1 and served them to the network; `--port` left the batch jobs posting to :8000."""
+    import deployments.app
+    from deployments.cli import main
+    from deployments.config import load
+
+    local = str(REPO / "deployments/configs/local.yaml")
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["serve", local, "--host", "0.0.0.0"]) == 1
+    assert "a key poolserve ships in its examples, on a router other machines reach" in capsys.readouterr().err
+    moved = load(local, {"port": 9000})
+    assert moved.config.router.port == 9000 and moved.config.router.host == "127.0.0.1"
+
+
+def test_a_taken_metrics_port_moves_to_the_next_free_one(model_dir):
+    """With 8080 taken (by anything on the machine), Ray's agent could not bind its metrics port
+    and `poolserve serve` failed after 30 s with "the node timed out during startup"."""
+    import socket
+
+    from deployments.app import on_free_metrics_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        data = set_path(set_path(base(), "ray", {"metrics_export_port": port}), "router", {"port": port + 1})
+        moved = on_free_metrics_port(check(data, model_dir)).config.ray.metrics_export_port
+        assert moved > port + 1, "not the router's port either: free until Serve binds it"
+    assert on_free_metrics_port(check(set_path(base(), "ray", {"metrics_export_port": moved}), model_dir)
+                                ).config.ray.metrics_export_port == moved, "a free port stays"
+
+
+def test_serve_keeps_its_http_port_when_the_metrics_port_moves(monkeypatch):
+    """The moved metrics port once took the HTTP port's variable: Serve's proxy bound it."""
+    import deployments.app
+    from ray import serve
+
+    from deployments.cli import main
+
+    started = {}
+    monkeypatch.setattr(deployments.app, "free_port", lambda host, first, **kw: first + 1)  # every port taken
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: started.update(ray=ray_config))
+    monkeypatch.setattr(serve, "start", lambda http_options: started.update(http=http_options))
+    monkeypatch.setattr(deployments.app, "deploy", lambda *a: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        main(["serve", str(REPO / "deployments/configs/local.yaml")])
+    assert started["http"] == {"host": "127.0.0.1", "port": 8000} and started["ray"].metrics_export_port == 8081
+
+
+def test_the_command_lines_router_settings_leave_a_bad_router_section_to_validation(tmp_path):
+    from deployments.config import load
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**yaml.safe_load((REPO / "deployments/configs/local.yaml").read_text()),
+                                   "router": [1]}))
+    with pytest.raises(ConfigError, match="router"):
+        load(bad, {"port": 9000})
+
+
+def test_the_batch_jobs_reach_the_router_where_it_listens():
+    """They posted to 127.0.0.1 whatever address Serve listened on (`--host ::1`, say)."""
+    from deployments.app import build_batches
+    from deployments.config import load
+
+    for host, url in (("::1", "http://[::1]:8011"), ("127.0.0.1", "http://127.0.0.1:8011")):
+        resolved = load(REPO / "tests/integration/config.yaml", {"host": host})
+        assert build_batches(resolved)._bound_deployment.init_args[0].router_url == url
