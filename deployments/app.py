@@ -342,9 +342,7 @@ def build_batches(resolved: Resolved) -> Application | None:
     from router.batches import BatchSettings
 
     c = resolved.config
-    host = "127.0.0.1" if c.router.host in ("0.0.0.0", "::", "") else f"[{c.router.host}]" if ":" in c.router.host \
-        else c.router.host  # where Serve listens: the batch jobs run on this node (the head)
-    settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://{host}:{c.router.port}",
+    settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://127.0.0.1:{c.router.port}",
                              resolved.pools[resolved.batch_pool].config.route_prefix.lstrip("/"),
                              c.batches.concurrency, c.batches.max_attempts, c.batches.max_lines,
                              c.batches.max_active_per_tenant)

@@ -206,7 +206,7 @@ def load(path: str | Path, router: dict | None = None) -> Resolved:
     """Read, parse, check and resolve a config file, `router` settings of the command line over
     the file's (checked alike); raise ConfigError with every problem."""
     path, data = Path(path), read_yaml(path)
-    if router and isinstance(data, dict) and isinstance(data.get("router") or {}, dict):  # else parse() says why
+    if router and isinstance(data, dict) and isinstance(data.get("router", {}), dict):  # else parse() says why
         data = {**data, "router": {**(data.get("router") or {}), **router}}
     config = parse(data, str(path))
     return resolve(config, path.resolve().parent, str(path))
