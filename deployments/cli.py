@@ -95,7 +95,7 @@ def _cmd_serve(args) -> int:
     from deployments.batch_cli import DEFAULT_ADDRESS
     from deployments.config import local_jobs_problem
 
-    given = {"host": args.host, "port": args.port}  # the batch jobs reach the router where it listens
+    given = {"host": args.host, "port": args.port}  # checked as the config's; the batch jobs' URL takes the port
     resolved = load_or_report(args.config, {k: v for k, v in given.items() if v is not None})
     if resolved is None:
         return 1

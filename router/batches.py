@@ -272,9 +272,10 @@ class Batches:
         for row in _rows(self._output(record)):
             (good if _answered(row) else bad).append(json.dumps(row))
             seen.add(row["custom_id"])
+        ended_early = self._requests(record) if status != "completed" else []  # a completed batch ran every line
         unreached = [result_line(r.custom_id, None, None, None, {"code": f"batch_{status}", "message": (
-            f"the batch was {status} before this request ran")}).rstrip("\n") for r in self._requests(record)
-            if status != "completed" and r.custom_id not in seen]  # as OpenAI's (`batch_expired`)
+            f"the batch was {status} before this request ran")}).rstrip("\n") for r in ended_early
+            if r.custom_id not in seen]  # as OpenAI's (`batch_expired`)
         bad += unreached
         record["request_counts"]["failed"] += len(unreached)
         for rows, field, suffix in ((good, "output_file_id", "output"), (bad, "error_file_id", "error")):
