@@ -30,6 +30,7 @@ from router.batch_api import BatchApi, BatchApiSettings
 from router.body import BodyLimits, read_json
 from router.config import RouterConfig, TenantConfig
 from router.errors import ApiError, retry_after_header
+from router.grammar import GrammarLimits
 from router.leases import QuotaClient, QuotaExceeded, QuotaUnavailable
 from router.load import PoolLoads
 from router.policy import PoolRoute, choose_pool, dispatch_plan, resolve_priority
@@ -69,7 +70,8 @@ class Router:
         tenants, admin = keys_from_dir(settings.tenants, c.admin_key_sha256, c.keys_dir)
         self._auth = Auth(tenants, admin)
         self._limits = BodyLimits(c.max_body_bytes, c.body_timeout_s, c.max_json_depth)
-        self._pricer = Pricer(settings.model_id, settings.max_model_len, counter)
+        self._pricer = Pricer(settings.model_id, settings.max_model_len, counter,
+                              GrammarLimits(c.max_grammar_bytes, c.max_pattern_repeats))
         self._turns = Turns(COUNTS_AT_ONCE)
         quotas = {t.name: Quota(**t.quota.model_dump()) for t in settings.tenants}
         self._quota = QuotaClient(ledger, quotas, c.lease_fraction, clock)

@@ -101,6 +101,14 @@ class RouterConfig(Frozen):
                                 "hold the router; it is read after the request and its concurrency slot are "
                                 "charged to the tenant.")
     max_json_depth: int = Field(64, ge=4, le=1000, description="Deeper nesting of lists and objects gets 400.")
+    max_grammar_bytes: int = Field(
+        64 << 10, ge=1024, description="A request's structured-output spec (`response_format`, `structured_outputs`, "
+                                       "the tools when `tool_choice` forces a call) above this size gets 400: the "
+                                       "engine converts and compiles all of it before the first token.")
+    max_pattern_repeats: int = Field(
+        512, ge=0, description="The `{m,n}` counts of a request's JSON-schema patterns, summed, above this get 400: "
+                               "xgrammar converts each in time growing with its square, on the event loop that "
+                               "serves the pool (`.{1,8000}` stalled a pool for 19 s).")
     reach_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")

@@ -15,6 +15,7 @@ from pools.llm import PromptError, PromptTooLong, SamplingError, asked_tokens, r
 from pools.llm import vllm_client_errors
 from pools.types import CallKind, CountedPrompt
 from router.errors import ApiError
+from router.grammar import GrammarLimits, check as check_grammar
 
 # Request fields that belong to the operator, not to a tenant: rejected with a 400.
 RESERVED_FIELDS = {
@@ -56,10 +57,12 @@ class PricedRequest:
 
 
 class Pricer:
-    def __init__(self, model_id: str, max_model_len: int, counter: PromptCounter) -> None:
+    def __init__(self, model_id: str, max_model_len: int, counter: PromptCounter,
+                 grammar: GrammarLimits = GrammarLimits()) -> None:
         self._model_id = model_id
         self._limit = max_model_len
         self._counter = counter
+        self._grammar = grammar
 
     async def price(self, kind: CallKind, data: dict) -> PricedRequest:
         body, client_usage = self.validate(kind, data)
@@ -98,6 +101,7 @@ class Pricer:
         if model is not None and model != self._model_id:
             raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
                                                    f"{self._model_id!r}", "model")
+        check_grammar(data, self._grammar)  # before vLLM's models: they convert structural tags
         if kind == "chat":
             _check_messages(data)
         elif data.get("prompt") is None:

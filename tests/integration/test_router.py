@@ -171,6 +171,18 @@ def test_structured_outputs_hold_their_schema_and_a_bad_schema_is_a_400(stack):
     assert post(stack, CHAT, ok_body()).status_code == 200
 
 
+def test_a_schema_pattern_too_costly_to_convert_is_refused_before_it_stalls_the_pool(stack):
+    """vLLM converted this 150-byte schema on the pool's event loop for tens of seconds (every
+    other request of the pool waited); it is a 400 naming the field, and the pool serves on."""
+    costly = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                            "pattern": ".{1,8000}"}}}
+    for path in (CHAT, "/v1/chat/completions"):  # a pool's own route, and the router's
+        r = post(stack, path, ok_body(response_format=costly))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "grammar_too_costly" and r.json()["error"]["param"] == "response_format"
+    assert post(stack, CHAT, ok_body()).status_code == 200
+
+
 HIDDEN = "queue " * 1300  # about 1,300 tokens of the tiny model's tokenizer
 HIDDEN_TOKENS = {
     "tools": {"tools": [{"type": "function", "function": {"name": "lookup", "description": HIDDEN,

@@ -1,0 +1,167 @@
+"""Structured-output specs are bounded before vLLM converts them on the pool's event loop: a
+JSON schema's counted patterns (xgrammar converts `{m,n}` in time growing with its square) and
+the spec's size. Each refusal is a 400 naming the field; what is within bounds passes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re._parser as sre_parse
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.errors import ApiError
+from router.grammar import GrammarLimits, check, patterns, repeats
+from router.pricing import Pricer
+from tests.unit.router_harness import WordCounter
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def costly(n: int = 600) -> dict:
+    return {"type": "string", "pattern": f".{{1,{n}}}"}
+
+
+def refused(body: dict, kind: str = "chat", limits: GrammarLimits = GrammarLimits()) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        asyncio.run(Pricer("m", 64, WordCounter(), limits).price(kind, {**body, "max_tokens": 4}))
+    assert e.value.status == 400
+    return e.value
+
+
+class NeverCounted(WordCounter):
+    async def count(self, kind, body):
+        raise AssertionError("a refused spec must not reach vLLM's renderer")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "response_format": schema_format(costly())}, "response_format"),
+    ({"messages": MSG, "structured_outputs": {"json": costly()}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"json": json.dumps(costly())}}, "structured_outputs"),  # as text
+    ({"messages": MSG, "response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<a>", "schema": costly(), "end": "</a>"}], "triggers": ["<a>"]}}, "response_format"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"s": costly()}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": MSG, "response_format": schema_format(
+        {"type": "object", "patternProperties": {"[a-z]{1,600}": {"type": "string"}}})}, "response_format"),
+    # many cheap patterns add up: 65 x 8 > 512
+    ({"messages": MSG, "response_format": schema_format(
+        {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "x{8}"} for i in range(65)}})},
+     "response_format"),
+])
+def test_counted_patterns_above_the_bound_are_refused_before_vllm_reads_them(body, param):
+    with pytest.raises(ApiError) as e:
+        asyncio.run(Pricer("m", 64, NeverCounted()).price("chat", {**body, "max_tokens": 4}))
+    assert e.value.status == 400 and e.value.code == "grammar_too_costly" and e.value.param == param
+    assert "minLength" in e.value.message and "router.max_pattern_repeats" in e.value.message
+
+
+def test_completions_are_bounded_too():
+    e = refused({"prompt": "a b", "response_format": schema_format(costly())}, kind="completions")
+    assert e.code == "grammar_too_costly" and e.param == "response_format"
+
+
+def test_what_a_schema_usually_holds_passes():
+    date = {"type": "object", "properties": {
+        "day": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "id": {"type": "string", "pattern": "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"},
+        "name": {"type": "string", "minLength": 1, "maxLength": 100000},  # lengths cost nothing
+        "word": {"type": "string", "pattern": "^[a-z]+$"}}}
+    priced = asyncio.run(Pricer("m", 64, WordCounter()).price(
+        "chat", {"messages": MSG, "max_tokens": 4, "response_format": schema_format(date)}))
+    assert priced.body.response_format.type == "json_schema"
+
+
+def test_a_plain_regex_is_not_counted():
+    """xgrammar converts a `regex` apart, in linear time (vLLM bounds its time too)."""
+    check({"structured_outputs": {"regex": "[a-z]{1,32000}"}}, GrammarLimits())
+
+
+def test_tools_count_their_bytes_only_when_a_call_is_forced():
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 2000,
+                                               "parameters": {"type": "object"}}} for i in range(40)]
+    check({"tools": tools, "tool_choice": "auto"}, GrammarLimits())  # not compiled: any size
+    for forced in ("required", {"type": "function", "function": {"name": "f1"}}):
+        with pytest.raises(ApiError) as e:
+            check({"tools": tools, "tool_choice": forced}, GrammarLimits())
+        assert e.value.code == "grammar_too_large" and e.value.param == "tools"
+    with pytest.raises(ApiError) as e:  # a tool parser may build a grammar under auto: patterns always count
+        check({"tools": [{"type": "function", "function": {"name": "f", "parameters": costly()}}],
+               "tool_choice": "auto"}, GrammarLimits())
+    assert e.value.code == "grammar_too_costly"
+
+
+def test_a_spec_above_the_byte_bound_is_refused_and_the_bound_is_the_operators():
+    big = schema_format({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}})
+    e = refused({"messages": MSG, "response_format": big})
+    assert e.code == "grammar_too_large" and e.param == "response_format" and "router.max_grammar_bytes" in e.message
+    asyncio.run(Pricer("m", 64, WordCounter(), GrammarLimits(max_bytes=1 << 20)).price(
+        "chat", {"messages": MSG, "max_tokens": 4, "response_format": big}))
+    assert refused({"messages": MSG, "response_format": schema_format(costly(8))},
+                   limits=GrammarLimits(max_repeats=4)).code == "grammar_too_costly"
+
+
+def test_a_spec_nested_too_deep_to_measure_is_a_400():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ApiError) as e:
+        check({"structured_outputs": {"choice": deep}}, GrammarLimits())
+    assert e.value.status == 400 and e.value.code == "json_too_deep"
+    text = "[" * 100000 + "]" * 100000  # JSON in a string, deeper than json.loads reads: left to vLLM
+    assert list(patterns({"json": text})) == []
+
+
+@pytest.mark.parametrize("pattern, count", [
+    (r"\d{4}-\d{2}", 6),
+    ("a{3,}", 3),
+    ("a{,7}", 7),
+    ("a{2,5}b{1}", 6),
+    (r"\{1000\}", 0),  # escaped braces are literals
+    ("[{]1000}", 0),  # in a class too
+    ("[]{1000}]", 0),  # a `]` first in a class is a character of it
+    ("[^]{1000}]", 0),
+    ("a{b}", 0),
+    ("a{}", 0),
+    ("a{1" + "0" * 20 + "}", 10 ** 9),  # more digits than int() takes by default
+])
+def test_repeats_reads_counts_as_a_regex_engine_does(pattern, count):
+    assert repeats(pattern) == count
+
+
+REGEX_PARTS = st.sampled_from(["a", ".", "[a-z]", "[{]", r"\{", r"\d", "(", ")", "|", "{", "}", ",", "]", "[^]x]",
+                               "*", "+", "?", "x{2}", "y{1,3}", "z{4,}", "{0,5}", "9", "12"])
+
+
+def _sre_counts(parsed) -> int:
+    total = 0
+    for op, arg in parsed:
+        if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
+            lo, hi, sub = arg
+            if (lo, hi) not in ((0, sre_parse.MAXREPEAT), (1, sre_parse.MAXREPEAT), (0, 1)):  # *, + and ?
+                total += max(lo, 0 if hi == sre_parse.MAXREPEAT else hi)
+            total += _sre_counts(sub)
+        elif op == sre_parse.SUBPATTERN:
+            total += _sre_counts(arg[-1])
+        elif op == sre_parse.BRANCH:
+            total += sum(_sre_counts(b) for b in arg[1])
+    return total
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(REGEX_PARTS, max_size=12).map("".join))
+def test_repeats_never_counts_less_than_pythons_regex_parser(pattern):
+    """Python's own parser as the reference: every count it reads as a repetition is counted,
+    so no pattern slips past the bound by its spelling."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except Exception:  # noqa: BLE001 - not a regex: vLLM refuses it
+        return
+    assert repeats(pattern) >= _sre_counts(parsed)
