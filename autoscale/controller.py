@@ -10,10 +10,9 @@ at once. The controller never calls replicas, so a replica that cannot reach it 
 limits and keeps serving. Each change of a pool's limits takes the pool's next epoch; replicas
 echo the epoch they applied, so operators and tools know when it is in force (`PoolStatus.applied`).
 
-Restarts. What operators set (pins, SLOs, lending) is kept in a `StateStore` (Ray's GCS
-key-value store when deployed) and read back by a restarted controller. The target is not: a
-new controller adopts the limits the replicas report, so a restart moves nothing; as it cannot
-know when they last moved, adoption counts as a change (the cooldown and latency window run from it).
+Restarts. What operators set (pins, SLOs, lending) is kept in a `StateStore` (Ray's GCS key-value
+store when deployed) and read back by a restarted controller. The target is not: a new controller
+adopts the replicas' limits (a restart moves nothing) and counts that as a change: cooldowns run from it.
 
 Profiles. A pool configured with a profile runs on the profile measured on its own set-up
 (model, dtype, context, hardware, vLLM, ceilings: the fingerprint its replicas report): one
@@ -37,7 +36,7 @@ from autoscale.profile import Fingerprint, Profile, SLOSpec
 from autoscale.operators import Operator, restore
 from autoscale.ranges import (RESWEEP_AFTER_S, PoolSpec, allowed_range, at_slo, judge_sweep, measured_range,
                               settle)
-from autoscale.setups import GONE_AFTER_REPORTS, SetUps
+from autoscale.setups import GONE_AFTER_REPORTS, SetUps, forget_after
 from autoscale.store import ProfileStore
 from infra.state import MemoryStore, StateStore
 from pools.control import (CalibrationJson, DecisionJson, LimitsDirective, PinResult, PoolSnapshot, PoolStatus,
@@ -90,10 +89,18 @@ def _settles(p: _PoolState, stats: ReplicaStats, fingerprint: Fingerprint | None
     return p.set_ups.moved(stats.pool, p.fingerprint, fingerprint, now, gone_after)
 
 
-def _note_a_gap(stats: ReplicaStats, last: tuple[float, ReplicaStats] | None, now: float, max_age: float) -> None:
-    if last is not None and now - last[0] > max_age:
+def _keep(p: _PoolState, stats: ReplicaStats, now: float, max_age: float) -> None:
+    """A report kept, its counters noted, and replicas long silent forgotten (`forget_after`)."""
+    if (last := p.reports.get(stats.replica)) is not None and now - last[0] > max_age:
         log.warning("pool %s replica %s: no report for %.1f s; reports older than %.1f s count as missing, "
                     "so the autoscaler held while it was silent", stats.pool, stats.replica, now - last[0], max_age)
+    p.reports[stats.replica] = (now, stats)
+    p.events.note(stats)
+    gone = [r for r, (t, _) in p.reports.items() if now - t > forget_after(max_age)]
+    for r in gone:
+        del p.reports[r]
+    p.events.forget(gone)
+    p.set_ups.forget(gone)
 
 
 def _adoptable(p: _PoolState, stats: ReplicaStats, now: float, wait_s: float, max_age: float
@@ -134,9 +141,7 @@ class Controller:
 
     def report(self, stats: ReplicaStats) -> LimitsDirective:
         p, now = self._pools[stats.pool], self._clock()
-        _note_a_gap(stats, p.reports.get(stats.replica), now, self._config.stats_max_age_s)
-        p.reports[stats.replica] = (now, stats)
-        p.events.note(stats)
+        _keep(p, stats, now, self._config.stats_max_age_s)
         if stats.applied_epoch > p.operator.epoch:  # epochs of a controller before this one
             self._set(p, epoch=stats.applied_epoch)
         fingerprint, gone_after = p.set_ups.read(stats), GONE_AFTER_REPORTS * self._config.stats_max_age_s

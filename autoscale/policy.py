@@ -158,6 +158,11 @@ class Events:
             self.preempted += max(0, now[1] - before[1])
         self.last[stats.replica] = now
 
+    def forget(self, replicas: Sequence[str]) -> None:
+        """Replicas long gone: one that reports again starts from a new baseline."""
+        for r in replicas:
+            self.last.pop(r, None)
+
 
 def aggregate(reports: Sequence[ReplicaStats], events: Events | None = None) -> PoolSnapshot:
     """A pool's fresh replica reports as one snapshot (P99s over all their latency samples); the

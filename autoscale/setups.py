@@ -14,6 +14,13 @@ from pools.control import ReplicaStats
 log = logging.getLogger("poolserve.autoscale")
 
 GONE_AFTER_REPORTS = 3  # x stats_max_age_s: a set-up whose replicas are silent this long has left the pool
+FORGET_AFTER_S = 600.0  # a replica silent this long is forgotten (else, under churn, memory only grew)
+
+
+def forget_after(max_age: float) -> float:
+    """How long a replica may be silent before the controller forgets it: its report, its
+    counters' baseline (one that reports again starts a new one) and its set-up."""
+    return max(FORGET_AFTER_S, 10 * GONE_AFTER_REPORTS * max_age)
 
 
 class SetUps:
@@ -45,6 +52,12 @@ class SetUps:
         self._last[replica] = (now, fingerprint)
         if fingerprint != pool_runs:
             self.other_at = now
+
+    def forget(self, replicas: list[str]) -> None:
+        for r in replicas:
+            self._last.pop(r, None)
+            self._read.pop(r, None)
+            self._unreadable.discard(r)
 
     def moved(self, pool: str, runs: Fingerprint | None, reported: Fingerprint | None, now: float,
               gone_after: float) -> bool:

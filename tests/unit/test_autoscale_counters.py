@@ -98,3 +98,25 @@ def test_preemptions_under_a_pin_are_not_answered_after_it():
         c.report(counted("r1", preemptions=80))
         c.tick()
     assert [m for m in moves(c) if m[2] == "preemption"] == []
+
+
+def test_replicas_long_gone_are_forgotten():
+    """Every replica a pool ever had kept its last report and its counters' baseline: under
+    churn (restarts, scaling) the controller's memory only grew. A replica silent for
+    `forget_after` is forgotten; if it reports again, that report is its new baseline."""
+    from autoscale.setups import forget_after
+
+    c, clock = controller()
+    for i in range(200):  # replicas that came and went, one report each
+        clock.t += 1
+        c.report(counted(f"gone{i}", preemptions=7))
+    clock.t += forget_after(c._config.stats_max_age_s) + 1
+    c.report(counted("r1"))
+    pool = c._pools["p"]
+    assert set(pool.reports) == {"r1"} and set(pool.events.last) == {"r1"}
+    for _ in range(12):  # past every cooldown: gone0 is back, with its old count as its baseline
+        clock.t += 5
+        c.report(counted("r1"))
+        c.report(counted("gone0", preemptions=7))
+        c.tick()
+    assert [m for m in moves(c) if m[2] == "preemption"] == []
