@@ -1,4 +1,5 @@
-"""Typed configuration of tenants and of the router (the `tenants:` and `router:` keys)."""
+"""Typed configuration of tenants, of the router and of its Batch API (the `tenants:`, `router:` and
+`batches:` keys)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,33 @@ class RouterConfig(Frozen):
     view_max_age_s: float = Field(
         5.0, gt=0, description="A pool view older than this (the controller stopped answering) counts as unknown: "
                                "no borrowing and no shedding at the router until a fresh one arrives.")
+
+
+class BatchesConfig(Frozen):
+    """The OpenAI Batch API (`/v1/files`, `/v1/batches`): each batch a Ray job of the batch
+    runner, through `pool` under the tenant's own key."""
+
+    dir: str | None = Field(
+        None, description="Where tenants' files and batches are kept (relative to the config file): a folder "
+                          "every router replica and the head node see (a ReadWriteMany volume on Kubernetes). "
+                          "Unset: the Batch API is off (its paths answer 404).")
+    pool: str | None = Field(None, description="The pool batches run on (default: the first pool whose "
+                                               "default_priority is batch).")
+    router_url: str | None = Field(None, description="Where the batch jobs reach the router (default: "
+                                                     "http://127.0.0.1:<router.port>, the head node's own proxy).")
+    dashboard_url: str = Field("http://127.0.0.1:8265", description=(
+        "Ray's job API, where batches are submitted. Unset, `poolserve serve` takes the dashboard of the Ray it "
+        "starts (8265, or the first free port after it)."))
+    concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
+    max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger files get 413 (the form around one is not "
+                                                                "counted).")
+    max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")
+    max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
+    max_active_per_tenant: int = Field(8, ge=1, description="Batches one tenant may have unfinished at once (each "
+                                       "runs as a Ray job); a create beyond gets 429 until one ends or is cancelled.")
+    poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
+
+    @property
+    def names_job_api(self) -> bool:
+        """Whether the config names the job API (else `poolserve serve` uses its own Ray's)."""
+        return "dashboard_url" in self.model_fields_set
