@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -35,6 +36,8 @@ class BatchApiSettings:
     pool: str  # the pool batches run on
     max_file_bytes: int
     max_lines: int
+    max_uploads_per_tenant: int = 2
+    upload_timeout_s: float = 600.0
 
 
 class BatchApi:
@@ -42,6 +45,7 @@ class BatchApi:
                  clock: Callable[[], float]) -> None:
         self._auth, self._s, self._service, self._limits = auth, settings, service, limits
         self._files = FileStore(Path(settings.root), clock) if settings else None
+        self._uploading: collections.Counter[str] = collections.Counter()  # tenant -> uploads arriving
 
     # -- files ------------------------------------------------------------------------
 
@@ -51,34 +55,59 @@ class BatchApi:
             size = request.headers.get("content-length")
             if size is not None and size.isdigit() and int(size) > limit:
                 raise _too_large(self._s.max_file_bytes)
-            try:  # a chunked body declares no size: it is counted as it arrives
-                form = await Request(request.scope, _bounded(request.receive, limit, self._s.max_file_bytes)).form(
-                    max_files=1, max_fields=8)
-            except ApiError:
-                raise
-            except Exception as e:  # not multipart, or a broken one
-                raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
-                                                       f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
-            unknown = sorted(set(form.keys()) - FORM_FIELDS)
-            if unknown:
-                raise ApiError(400, "invalid_request", f"unknown form field {unknown[0]!r}: send 'file', 'purpose' and "
-                                                       "optionally expires_after[anchor] and expires_after[seconds]",
-                               unknown[0].split("[")[0])
-            upload, purpose = form.get("file"), form.get("purpose")
-            if upload is None or isinstance(upload, str):
-                raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "
-                                                      "fields 'file' and 'purpose'", "file")
-            if purpose not in ("batch",):
-                raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
-            expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after",
-                                             " (as form fields expires_after[anchor] and expires_after[seconds])")
-            content = await upload.read(self._s.max_file_bytes + 1)
-            if len(content) > self._s.max_file_bytes:
-                raise _too_large(self._s.max_file_bytes)
+            if self._uploading[tenant.name] >= self._s.max_uploads_per_tenant:
+                raise ApiError(429, "too_many_uploads", f"{self._uploading[tenant.name]} uploads of this tenant are "
+                                                        "still arriving (batches.max_uploads_per_tenant); send the "
+                                                        "next when one has finished", "file", retry_after_s=5)
+            self._uploading[tenant.name] += 1
+            try:
+                async with asyncio.timeout(self._s.upload_timeout_s):
+                    name, purpose, content, expires_after_s = await self._receive(request, limit)
+            except TimeoutError:
+                raise ApiError(408, "upload_timeout", f"the file did not arrive within batches.upload_timeout_s "
+                                                      f"({self._s.upload_timeout_s:g} s); send it faster, or split "
+                                                      "it", "file") from None
+            finally:
+                self._uploading[tenant.name] -= 1
+                if not self._uploading[tenant.name]:
+                    del self._uploading[tenant.name]
             await asyncio.to_thread(self._check_batch_file, content)
-            return await asyncio.to_thread(self._files.create, tenant.name, upload.filename or "upload.jsonl",
-                                           purpose, content, expires_after_s)
+            return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content, expires_after_s)
         return await self._run(request, run)
+
+    async def _receive(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
+        """The upload's file name, purpose, content and expiry, its form checked."""
+        try:  # a chunked body declares no size: it is counted as it arrives
+            form = await Request(request.scope, _bounded(request.receive, limit, self._s.max_file_bytes)).form(
+                max_files=1, max_fields=8)
+        except ApiError:
+            raise
+        except Exception as e:  # not multipart, or a broken one
+            raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
+                                                   f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
+        unknown = sorted(set(form.keys()) - FORM_FIELDS)
+        if unknown:
+            raise ApiError(400, "invalid_request", f"unknown form field {unknown[0]!r}: send 'file', 'purpose' and "
+                                                   "optionally expires_after[anchor] and expires_after[seconds]",
+                           unknown[0].split("[")[0])
+        try:
+            return await self._read(form)
+        finally:
+            await form.close()  # its spooled file
+
+    async def _read(self, form: Any) -> tuple[str, str, bytes, int | None]:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "
+                                                  "fields 'file' and 'purpose'", "file")
+        if purpose not in ("batch",):
+            raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
+        expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after",
+                                         " (as form fields expires_after[anchor] and expires_after[seconds])")
+        content = await upload.read(self._s.max_file_bytes + 1)
+        if len(content) > self._s.max_file_bytes:
+            raise _too_large(self._s.max_file_bytes)
+        return upload.filename or "upload.jsonl", purpose, content, expires_after_s
 
     def _check_batch_file(self, content: bytes) -> None:
         try:

@@ -155,6 +155,11 @@ class BatchesConfig(Frozen):
     max_attempts: int = Field(3, ge=1, le=20, description="Times a batch's job is started before the batch fails.")
     max_active_per_tenant: int = Field(8, ge=1, description="Batches one tenant may have unfinished at once (each "
                                        "runs as a Ray job); a create beyond gets 429 until one ends or is cancelled.")
+    max_uploads_per_tenant: int = Field(2, ge=1, description="Uploads one tenant may have arriving at a router "
+                                        "replica at once; more get 429 (each holds a connection and one of the "
+                                        "replica's `max_ongoing_requests` while it arrives).")
+    upload_timeout_s: float = Field(600.0, gt=0, description="A file must arrive within this long, else 408 (200 MiB "
+                                                             "in 600 s is 2.8 Mbit/s).")
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
 
     @property

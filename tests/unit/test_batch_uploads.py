@@ -1,0 +1,101 @@
+"""An upload cannot hold the router: uploads were bounded in size but not in time or number, so
+one tenant's slow uploads each held a connection and one of the router replica's
+`max_ongoing_requests` for as long as it liked, and enough of them stood every tenant's /v1
+requests in a queue in front of the router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from pools.types import PriorityClass
+from router.app import RouterSettings
+from router.batch_api import BatchApiSettings
+from router.batches import Batches, BatchSettings
+from router.config import RouterConfig
+from router.files import FileStore
+from router.ingress import ROUTES, Endpoints, make_app
+from router.leases import LedgerService
+from router.policy import PoolRoute
+from router.quota import Quota
+from tests.unit.router_harness import TENANTS, FakeController, FakePool, WordCounter
+from tests.unit.test_batch_api import InProcessService, _file, sdk, sync
+from tests.unit.test_batches import Clock, FakeRunner
+from tests.unit.test_config import model_dir  # noqa: F401 (a fixture)
+
+BOUNDARY = "poolserve-test"
+HEAD = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{BOUNDARY}\r\n"
+        "Content-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+        "Content-Type: application/octet-stream\r\n\r\n").encode()
+
+
+def app_with(tmp_path, **uploads):
+    clock = Clock()
+    batches = Batches(BatchSettings(tmp_path, "http://router", "p"), FileStore(tmp_path, clock), FakeRunner(), clock)
+    routes = (PoolRoute("p", "p", 4, PriorityClass.STANDARD, queue_slots=8, max_num_seqs=4),)
+    settings = RouterSettings("m", 64, RouterConfig(), TENANTS, routes,
+                              BatchApiSettings(str(tmp_path), "p", max_file_bytes=4096, max_lines=20, **uploads))
+    router = Endpoints(settings, {"p": FakePool()}, FakeController(),
+                       LedgerService({t.name: Quota(**t.quota.model_dump()) for t in TENANTS}), WordCounter(),
+                       batches=InProcessService(batches), wall_clock=clock)
+    app = make_app()
+    for verb, path, name in ROUTES:
+        getattr(app, verb)(path, name=name)(getattr(router, name))
+    return app
+
+
+async def stalled_upload(app, tenant: str, started: asyncio.Event | None = None) -> httpx.Response:
+    """An upload whose file never finishes arriving (its client is slow, or means to be)."""
+    async def body():
+        yield HEAD
+        if started is not None:
+            started.set()
+        await asyncio.Event().wait()  # never set: the rest never comes
+        yield b""
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        return await http.post("/v1/files", content=body(), headers={
+            "Authorization": f"Bearer key-{tenant}", "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+
+
+@sync
+async def test_an_upload_that_does_not_arrive_in_time_is_a_408(tmp_path):
+    app = app_with(tmp_path, upload_timeout_s=0.3)
+    r = await asyncio.wait_for(stalled_upload(app, "b"), 60)  # no answer at all before
+    assert r.status_code == 408, r.text
+    assert r.json()["error"]["code"] == "upload_timeout" and "batches.upload_timeout_s" in r.json()["error"]["message"]
+    assert [x async for x in sdk(app, "b").files.list()] == []
+    created = await sdk(app, "b").files.create(file=("in.jsonl", _file(2)), purpose="batch")  # in time: kept
+    assert created.bytes == len(_file(2))
+
+
+@sync
+async def test_a_tenant_has_at_most_so_many_uploads_arriving_at_once(tmp_path):
+    app = app_with(tmp_path, max_uploads_per_tenant=2, upload_timeout_s=3600)
+    started = [asyncio.Event(), asyncio.Event()]
+    held = [asyncio.create_task(stalled_upload(app, "b", s)) for s in started]
+    await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+    try:
+        third = await asyncio.wait_for(stalled_upload(app, "b"), 60)  # refused before its body is read
+        assert third.status_code == 429, third.text
+        assert third.json()["error"]["code"] == "too_many_uploads" and third.headers.get("retry-after")
+        assert "batches.max_uploads_per_tenant" in third.json()["error"]["message"]
+        other = await sdk(app, "a").files.create(file=("in.jsonl", _file(2)), purpose="batch")  # another tenant
+        assert other.bytes == len(_file(2))
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    created = await sdk(app, "b").files.create(file=("in.jsonl", _file(2)), purpose="batch")  # they ended: free
+    assert created.bytes == len(_file(2))
+
+
+def test_the_configs_upload_bounds_reach_the_router(model_dir):
+    from deployments.app import router_settings
+    from tests.unit.test_config import base, check
+
+    data = {**base(), "batches": {"dir": "batches", "pool": "offline-batch", "max_uploads_per_tenant": 5,
+                                  "upload_timeout_s": 42}}
+    s = router_settings(check(data, model_dir)).batches
+    assert (s.max_uploads_per_tenant, s.upload_timeout_s) == (5, 42)
