@@ -79,12 +79,13 @@ def engine_env() -> dict[str, str]:
     return {"VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
 
 
-def start_local_ray(ray_config, **init: Any) -> str | None:
+def start_local_ray(ray_config, keep_free: Collection[int] = (), **init: Any) -> str | None:
     """Start the Ray that poolserve runs on itself (`poolserve serve`, the integration suite,
     the benchmarks): its processes inherit this process's environment, which carries Serve's
     ingress choice (`ray.haproxy`). An ingress replica's drain before it stops is HAProxy's
     grace to take it out of rotation: on one host that takes milliseconds, not Serve's 30 s.
-    Returns its dashboard's URL (None: no dashboard), which is its job API."""
+    Returns its dashboard's URL (None: no dashboard), which is its job API; `keep_free` are ports
+    the dashboard must not take though they are free now (the router's, bound by Serve next)."""
     import ray
 
     if ray_config.haproxy:
@@ -96,7 +97,7 @@ def start_local_ray(ray_config, **init: Any) -> str | None:
         # URL for people (RAY_OVERRIDE_DASHBOARD_URL replaces it): pick the port here instead.
         init.setdefault("dashboard_host", DASHBOARD_HOST)
         init.setdefault("dashboard_port", free_port(init["dashboard_host"], DASHBOARD_PORT,
-                                                    skip={ray_config.metrics_export_port}))
+                                                    skip={ray_config.metrics_export_port, *keep_free}))
     ray.init(**init, **local_ray_init_kwargs(ray_config))
     return f"http://{init['dashboard_host']}:{init['dashboard_port']}" if init.get("include_dashboard") else None
 

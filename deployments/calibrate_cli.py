@@ -27,6 +27,7 @@ from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
 from infra.results import Result, Summary
 from infra.stats import counter_rate
+from infra.wire import http_url
 from infra.traffic import synthetic_lengths, trace_lengths
 
 
@@ -170,7 +171,7 @@ def _cmd_calibrate(args) -> int:
         raise SystemExit(f"--pool {args.pool!r}: pools are {sorted(resolved.pools)}")
     rp = resolved.pools[args.pool]
     cfg = resolved.config
-    url = args.url or f"http://{cfg.router.host}:{cfg.router.port}"
+    url = args.url or http_url(cfg.router.host, cfg.router.port)
     admin = AdminClient(url, args.admin_key or os.environ.get("POOLSERVE_ADMIN_KEY", ""))
     key = args.key or os.environ.get("POOLSERVE_KEY", "")
     ladder = [int(x) for x in args.ladder.split(",")]

@@ -94,6 +94,7 @@ def _cmd_serve(args) -> int:
     from deployments.app import APP_NAME, deploy, on_free_metrics_port, on_local_dashboard, start_local_ray
     from deployments.batch_cli import DEFAULT_ADDRESS
     from deployments.config import local_jobs_problem
+    from infra.wire import http_url
 
     given = {"host": args.host, "port": args.port}  # checked as the config's; the batch jobs' URL takes the port
     resolved = load_or_report(args.config, {k: v for k, v in given.items() if v is not None})
@@ -120,12 +121,12 @@ def _cmd_serve(args) -> int:
             print(f"warning: port {c.ray.metrics_export_port} (ray.metrics_export_port) is taken: Ray's metrics are "
                   f"on {metrics}")
         resolved, c = moved, moved.config
-        dashboard = start_local_ray(c.ray, include_dashboard=c.ray.dashboard)
+        dashboard = start_local_ray(c.ray, keep_free={port}, include_dashboard=c.ray.dashboard)
         resolved = on_local_dashboard(resolved, dashboard)
     serve.start(http_options={"host": host, "port": port})
     print("deploying poolserve (about a minute on a CPU box) ...", flush=True)
     deploy(resolved, APP_NAME)
-    base = f"http://{host}:{port}"
+    base = http_url(host, port)
     print(f"\npoolserve is up at {base}")
     for name, rp in resolved.pools.items():
         print(f"  pool {name:<14} {base}{rp.config.route_prefix}/v1/chat/completions  (and /completions)")

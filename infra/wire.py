@@ -27,6 +27,11 @@ def no_proxy_to_loopback(environ: MutableMapping[str, str] = os.environ) -> None
     environ["no_proxy"] = environ["NO_PROXY"] = merged
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 host in brackets (`http://::1:8000` names no port)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def trust_env(url: str) -> bool:
     """Whether an HTTP client to `url` takes its proxy settings from the environment: not for a
     loopback address, which no proxy can mean. httpx sent calls to 127.0.0.1, tenant and admin

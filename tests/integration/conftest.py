@@ -129,7 +129,8 @@ def stack():
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "3"
     try:
         # Where the Batch API submits, as `poolserve serve` sets it: 8265, or the next free port.
-        resolved = on_local_dashboard(resolved, start_local_ray(c.ray, include_dashboard=True, log_to_driver=False))
+        resolved = on_local_dashboard(resolved, start_local_ray(c.ray, keep_free={c.router.port}, include_dashboard=True,
+                                                                log_to_driver=False))
     finally:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
     serve.start(http_options={"host": c.router.host, "port": c.router.port})

@@ -69,3 +69,54 @@ def test_the_command_lines_router_settings_leave_a_bad_router_section_to_validat
                                        "router": section}))
         with pytest.raises(ConfigError, match="router: .*valid dictionary"):
             load(bad, {"port": 9000})
+
+
+def test_the_dashboard_never_takes_the_routers_port(monkeypatch):
+    """The dashboard's port is picked before Serve binds the router's: with the router on a port
+    at or after 8265, the dashboard took it while it was still free, and Serve could not bind."""
+    import ray
+
+    import deployments.app
+    from deployments.app import start_local_ray
+    from deployments.config import RayConfig
+
+    skipped = {}
+    monkeypatch.setattr(deployments.app, "free_port", lambda host, first, skip=(), **kw: skipped.update(skip=skip)
+                        or next(p for p in range(first, first + 50) if p not in skip))
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    url = start_local_ray(RayConfig(), keep_free={8265}, include_dashboard=True)
+    assert 8265 in skipped["skip"] and url.endswith(":8266")
+    started = {}
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: started.update(kw))
+    monkeypatch.setattr(deployments.app, "deploy", lambda *a: (_ for _ in ()).throw(SystemExit(7)))
+    from ray import serve
+
+    from deployments.cli import main
+    monkeypatch.setattr(serve, "start", lambda http_options: None)
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "8270", str(REPO / "deployments/configs/local.yaml")])
+    assert started["keep_free"] == {8270}
+
+
+def test_the_start_up_summary_writes_an_ipv6_host_in_brackets(monkeypatch, capsys):
+    """`--host ::1` printed http://::1:8000/..., which names no port to any client."""
+    import signal
+
+    import deployments.app
+    import deployments.cli
+    from ray import serve
+
+    from deployments.cli import main
+    from infra.wire import http_url
+
+    assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: None)
+    monkeypatch.setattr(deployments.app, "deploy", lambda *a: None)
+    monkeypatch.setattr(deployments.cli, "_profile_lines", lambda: [])
+    monkeypatch.setattr(serve, "start", lambda http_options: None)
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda *a: None)
+    monkeypatch.setattr(signal, "sigwait", lambda s: (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit):
+        main(["serve", "--host", "::1", str(REPO / "deployments/configs/local.yaml")])
+    out = capsys.readouterr().out
+    assert "http://[::1]:8000/online/v1/chat/completions" in out and "http://::1" not in out, out
