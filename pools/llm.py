@@ -145,6 +145,9 @@ class PromptRenderer:
         max_tokens...), as its serving layer makes them: the engine would refuse such a request
         only once a gate had admitted it, after it had waited in the queue."""
         asked, _ = asked_tokens(kind, request)
+        ids, most = getattr(request, "logprob_token_ids", None) or (), self._model_config.max_logprobs
+        if most >= 0 and len(ids) > most:  # vLLM bounds top_logprobs so, not these (each costs a decode a token)
+            raise SamplingError(f"Requested {len(ids)} logprob_token_ids, max allowed: {most}", "logprob_token_ids")
         try:
             params = request.to_sampling_params(asked or self._model_config.max_model_len, self._sampling_defaults)
             params.verify(self._model_config, None, None, None)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from pools.llm import PromptError, PromptTooLong, SamplingError, asked_tokens, request_models, sanitize_chat
 from pools.llm import vllm_client_errors
 from pools.types import CallKind, CountedPrompt
+from router import costs
 from router.errors import ApiError
 from router.grammar import GrammarLimits, check as check_grammar
 
@@ -102,6 +103,7 @@ class Pricer:
             raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
                                                    f"{self._model_id!r}", "model")
         check_grammar(data, self._grammar)  # before vLLM's models: they convert structural tags
+        costs.check(kind, data, self._limit)
         if kind == "chat":
             _check_messages(data)
         elif data.get("prompt") is None:

@@ -102,6 +102,8 @@ SAMPLING = [
     (CHAT, ok_body(logprobs=True, top_logprobs=21), "top_logprobs", "max allowed: 20"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "logprobs": 50}, "logprobs", "max allowed: 20"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": -1}, "prompt_logprobs", "max allowed: 20"),
+    # not vLLM's: it let 128 of these through, each a few decodes per output token on the pool's event loop
+    (CHAT, ok_body(logprobs=True, logprob_token_ids=list(range(101, 122))), "logprob_token_ids", "max allowed: 20"),
     (CHAT, ok_body(stop_token_ids=[10**6]), "stop_token_ids", "out-of-vocab"),
     (CHAT, ok_body(logit_bias={"999999": 3}), "logit_bias", "out-of-vocab"),
     (CHAT, ok_body(temperature=-1), "temperature", "non-negative"),
