@@ -46,6 +46,8 @@ def completion(**kw) -> dict:
     ("completions", completion(prompt="x" * (16 * LIMIT + 1), truncate_prompt_tokens=8), "truncation_side"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x" * 600}] * 2}],
                   truncate_prompt_tokens=8), "truncation_side"),
+    ("chat", chat(messages=[{"role": "user", "content": "a"}] * (LIMIT + 1), truncate_prompt_tokens=8), "messages"),
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * LIMIT}]), "messages"),
 ])
 def test_a_field_that_costs_beyond_its_charge_is_refused_by_name(kind, body, param):
     with pytest.raises(ApiError) as e:
@@ -62,6 +64,16 @@ def test_a_field_that_costs_beyond_its_charge_is_refused_by_name(kind, body, par
     ("completions", completion(echo=True, n=2)),  # no logprobs: nothing repeated
     ("completions", completion(prompt="x" * (16 * LIMIT + 1), truncate_prompt_tokens=8, truncation_side="left")),
     ("completions", completion(prompt="a b c", truncate_prompt_tokens=2)),  # short: tokenized whole, cheaply
+    ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 3}] * 3)),
 ])
 def test_the_same_fields_within_bounds_pass(kind, body):
     assert price(kind, body).prompt_tokens > 0
+
+
+def test_messages_and_parts_up_to_the_context_pass_the_count():
+    from router.costs import check
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}] * (LIMIT - 2)}, {"role": "user"}]
+    check("chat", {"messages": parts}, LIMIT)  # LIMIT - 2 parts and 2 messages
+    with pytest.raises(ApiError):
+        check("chat", {"messages": [*parts, {"role": "user", "content": "a"}]}, LIMIT)
