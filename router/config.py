@@ -107,9 +107,11 @@ class RouterConfig(Frozen):
                                        "the tools when `tool_choice` forces a call) above this size gets 400: the "
                                        "engine converts and compiles all of it before the first token.")
     max_pattern_repeats: int = Field(
-        512, ge=0, description="The `{m,n}` counts of a request's JSON-schema patterns, summed, above this get 400: "
-                               "xgrammar converts each in time growing with its square, on the event loop that "
-                               "serves the pool (`.{1,8000}` stalled a pool for 19 s).")
+        64, ge=0, description="The places a request's JSON-schema patterns can repeat or leave out (`{m,n}` counts, "
+                              "`?`, `*` and `+`, times those of the groups around them), summed, above this get 400: "
+                              "xgrammar converts a count in time growing with its square, on the event loop that "
+                              "serves the pool (`.{1,8000}` stalled a pool for 19 s), and the engine compiles "
+                              "optional places in time growing faster still (128 `.?`: 2 s on the tiny model).")
     reach_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")

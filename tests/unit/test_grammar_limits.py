@@ -24,7 +24,7 @@ def schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
-def costly(n: int = 600) -> dict:
+def costly(n: int = 100) -> dict:
     return {"type": "string", "pattern": f".{{1,{n}}}"}
 
 
@@ -51,16 +51,28 @@ class NeverCounted(WordCounter):
       "tool_choice": "required"}, "tools"),
     ({"messages": MSG, "response_format": schema_format(
         {"type": "object", "patternProperties": {"[a-z]{1,600}": {"type": "string"}}})}, "response_format"),
-    # many cheap patterns add up: 65 x 8 > 512
+    ({"messages": MSG, "response_format": schema_format({"type": "string", "pattern": "(." * 17 + ")?" * 17})},
+     "response_format"),  # nested groups: 500 of them compiled for 19 s
+    # many cheap patterns add up: 9 x 8 > 64
     ({"messages": MSG, "response_format": schema_format(
-        {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "x{8}"} for i in range(65)}})},
+        {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "x{8}"} for i in range(9)}})},
      "response_format"),
+    ({"messages": MSG, "response_format": schema_format({"type": "string", "pattern": ".?" * 65})},  # 2 s at 128
+     "response_format"),
+    # JSON as text, led by a space or encoded twice: vLLM's json.loads reads both (found by a review)
+    ({"messages": MSG, "structured_outputs": {"json": " " + json.dumps(costly())}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"json": json.dumps(json.dumps(costly()))}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"structural_tag": "\n" + json.dumps({
+        "type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<a>"], "tags": [
+            {"begin": "<a>", "content": {"type": "json_schema", "json_schema": costly()}, "end": "</a>"}]}})}},
+     "structured_outputs"),
 ])
 def test_counted_patterns_above_the_bound_are_refused_before_vllm_reads_them(body, param):
     with pytest.raises(ApiError) as e:
         asyncio.run(Pricer("m", 64, NeverCounted()).price("chat", {**body, "max_tokens": 4}))
     assert e.value.status == 400 and e.value.code == "grammar_too_costly" and e.value.param == param
-    assert "minLength" in e.value.message and "router.max_pattern_repeats" in e.value.message
+    m = e.value.message
+    assert ("minLength" in m and "router.max_pattern_repeats" in m) or "nests its groups 17 deep" in m, m
 
 
 def test_completions_are_bounded_too():
@@ -106,6 +118,8 @@ def test_a_spec_above_the_byte_bound_is_refused_and_the_bound_is_the_operators()
         "chat", {"messages": MSG, "max_tokens": 4, "response_format": big}))
     assert refused({"messages": MSG, "response_format": schema_format(costly(8))},
                    limits=GrammarLimits(max_repeats=4)).code == "grammar_too_costly"
+    text = schema_format({"type": "object", "description": "説明" * 6000})  # bytes as sent, not \\u escapes
+    asyncio.run(Pricer("m", 64, WordCounter()).price("chat", {"messages": MSG, "max_tokens": 4, "response_format": text}))
 
 
 def test_a_spec_nested_too_deep_to_measure_is_a_400():
@@ -124,10 +138,18 @@ def test_a_spec_nested_too_deep_to_measure_is_a_400():
     ("a{3,}", 3),
     ("a{,7}", 7),
     ("a{2,5}b{1}", 6),
+    (".{ 1, 8000 }", 8000),  # xgrammar takes spaces in a count (found by a review: 26 s through)
+    ("a?b*c+", 3),
+    ("x{1,4}?y+?", 5),  # lazy: the same count
+    ("a{2}{3}", 5),  # a count after a count is counted too
+    ("(?:ab){3}", 3),  # a group's kind is not a quantifier
+    ("((.{1,16}){1,16}){1,16}", 4096),  # nested counts multiply (xgrammar's compile: 23 s)
+    ("(a|b{5})?", 5),
     (r"\{1000\}", 0),  # escaped braces are literals
     ("[{]1000}", 0),  # in a class too
-    ("[]{1000}]", 0),  # a `]` first in a class is a character of it
-    ("[^]{1000}]", 0),
+    ("[]{1000}]", 1000),  # `[]` and `[^]` are whole classes to xgrammar (`[^]` is any character)
+    ("[^]{1000}]", 1000),
+    ("[a]]{9}", 9),
     ("a{b}", 0),
     ("a{}", 0),
     ("a{1" + "0" * 20 + "}", 10 ** 9),  # more digits than int() takes by default
@@ -136,8 +158,8 @@ def test_repeats_reads_counts_as_a_regex_engine_does(pattern, count):
     assert repeats(pattern) == count
 
 
-REGEX_PARTS = st.sampled_from(["a", ".", "[a-z]", "[{]", r"\{", r"\d", "(", ")", "|", "{", "}", ",", "]", "[^]x]",
-                               "*", "+", "?", "x{2}", "y{1,3}", "z{4,}", "{0,5}", "9", "12"])
+REGEX_PARTS = st.sampled_from(["a", ".", "[a-z]", "[{]", r"\{", r"\d", "(", ")", "(?:", "|", "{", "}", ",", "]",
+                               "[x]", "*", "+", "?", "x{2}", "y{1,3}", "z{4,}", "{0,5}", "{ 2 }", "9", "12"])
 
 
 def _sre_counts(parsed) -> int:
@@ -145,9 +167,7 @@ def _sre_counts(parsed) -> int:
     for op, arg in parsed:
         if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
             lo, hi, sub = arg
-            if (lo, hi) not in ((0, sre_parse.MAXREPEAT), (1, sre_parse.MAXREPEAT), (0, 1)):  # *, + and ?
-                total += max(lo, 0 if hi == sre_parse.MAXREPEAT else hi)
-            total += _sre_counts(sub)
+            total += max(1, lo, 0 if hi == sre_parse.MAXREPEAT else hi) * max(_sre_counts(sub), 1)
         elif op == sre_parse.SUBPATTERN:
             total += _sre_counts(arg[-1])
         elif op == sre_parse.BRANCH:
@@ -158,8 +178,8 @@ def _sre_counts(parsed) -> int:
 @settings(max_examples=400, deadline=None)
 @given(st.lists(REGEX_PARTS, max_size=12).map("".join))
 def test_repeats_never_counts_less_than_pythons_regex_parser(pattern):
-    """Python's own parser as the reference: every count it reads as a repetition is counted,
-    so no pattern slips past the bound by its spelling."""
+    """Python's own parser as the reference (nested counts multiplied): every count it reads as
+    a repetition is counted, so no pattern slips past the bound by its spelling."""
     try:
         parsed = sre_parse.parse(pattern)
     except Exception:  # noqa: BLE001 - not a regex: vLLM refuses it
