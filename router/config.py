@@ -107,11 +107,14 @@ class RouterConfig(Frozen):
                                        "the tools when `tool_choice` forces a call) above this size gets 400: the "
                                        "engine converts and compiles all of it before the first token.")
     max_pattern_repeats: int = Field(
-        64, ge=0, description="The places a request's JSON-schema patterns can repeat or leave out (`{m,n}` counts, "
-                              "`?`, `*` and `+`, times those of the groups around them), summed, above this get 400: "
-                              "xgrammar converts a count in time growing with its square, on the event loop that "
-                              "serves the pool (`.{1,8000}` stalled a pool for 19 s), and the engine compiles "
-                              "optional places in time growing faster still (128 `.?`: 2 s on the tiny model).")
+        256, ge=0, description="The places a request's JSON-schema patterns can leave out or repeat (`?`, `*`, `+`, "
+                               "empty alternatives, each `{m,n}`'s n - m; four times on `.` or a negated class; times "
+                               "those of the groups around them), summed, above this get 400 (so do patterns over "
+                               "4,096 characters, groups nested over 16 deep, and counts that cost more to convert "
+                               "than one `{512}`): the engine compiles them before the first token, in time growing "
+                               "faster than they do (64 `.?`: 0.38 s on the tiny model, 128: 2 s), and xgrammar "
+                               "converts a count on the event loop that serves the pool (`.{1,8000}` stalled a pool "
+                               "for 19 s).")
     reach_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")

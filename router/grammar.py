@@ -5,15 +5,16 @@ into an xgrammar grammar while it validates the request, on the event loop of th
 serves the pool's HTTP; the engine then compiles it, with no time limit. xgrammar converts each
 `{m,n}` of a JSON schema's regular expressions in time that grows with the square of the count (a
 150-byte request with `".{1,8000}"` stalled every other request of its pool for 19 s), and
-compiles in time that grows faster than the places a pattern can repeat or leave out (bench/notes.md).
-So those places are counted here, from the raw body, with the nesting of groups and the spec's size:
-what it costs does not depend on the tenant's quota, so it is bounded for everyone alike. A bound
-on the text is not a bound on time: see "Found and left" in bench/notes.md.
+compiles in time that grows faster than the places a pattern can leave out or repeat
+(bench/notes.md). So each pattern's `Shape` is read here, from the raw body, in one linear pass,
+with the spec's size: what it costs does not depend on the tenant's quota, so it is bounded for
+everyone alike. A bound on the text is not a bound on time: see bench/notes.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -21,15 +22,18 @@ from typing import Any, Iterator
 from router.errors import ApiError
 
 SPEC_FIELDS = ("response_format", "structured_outputs")  # what a body may ask the engine to compile
-_QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:(,)\s*(\d*)\s*)?\}")
+_QUANTIFIER = re.compile(r"\{ *+(\d*+) *+(?:(,) *+(\d*+) *+)?\}")  # possessive: no backtracking
 _HUGE = 10 ** 9  # a bound written with more digits than this counts as this (and is refused)
 MAX_GROUP_DEPTH = 16  # 500 nested optional groups with no count compiled for 19 s
+MAX_PATTERN_CHARS = 4096
+MAX_COUNT = 512  # the count converted in 74 ms; the counts' squares may add up to its square
+WIDE = 4  # `.?` x 64 compiled 13 times as long as `[a-z]?` x 64
 
 
 @dataclass(frozen=True)
 class GrammarLimits:
     max_bytes: int = 64 << 10
-    max_repeats: int = 64
+    max_repeats: int = 256
 
 
 def check(data: dict, limits: GrammarLimits) -> None:
@@ -45,32 +49,42 @@ def check(data: dict, limits: GrammarLimits) -> None:
                        f"the structured-output spec ({param}) is {size:,} bytes and at most {limits.max_bytes:,} "
                        "are accepted (router.max_grammar_bytes): the engine compiles all of it before the first "
                        "token; send a smaller schema", param)
-    found = [(param, list(patterns(spec))) for param, spec in specs(data, every_tool=True)]
-    for param, regexes in found:
-        if (deepest := max(map(depth, regexes), default=0)) > MAX_GROUP_DEPTH:
-            raise ApiError(400, "grammar_too_costly", f"a regular expression in {param} nests its groups {deepest} "
-                                                      f"deep and at most {MAX_GROUP_DEPTH} are accepted: the engine's "
-                                                      "compile grows with the nesting; flatten it", param)
-    counted = [(param, sum(map(repeats, regexes))) for param, regexes in found]
-    if (total := sum(n for _, n in counted)) > limits.max_repeats:
-        param = max(counted, key=lambda c: c[1])[0]
-        raise ApiError(400, "grammar_too_costly",
-                       f"the regular expressions in {param} can repeat or leave out {total:,} places in all "
-                       f"({{m,n}} counts, ?, * and +, times those of the groups around them) and at most "
-                       f"{limits.max_repeats:,} are accepted (router.max_pattern_repeats): the engine converts and "
-                       "compiles each place before the first token; bound a string's length with minLength and "
-                       "maxLength, which cost nothing, instead of a counted pattern", param)
+    shapes: list[tuple[str, Shape]] = []
+    for param, spec in specs(data):
+        for regex in patterns(spec):
+            if len(regex) > MAX_PATTERN_CHARS:
+                raise _costly(param, f"a regular expression in {param} is {len(regex):,} characters and at most "
+                                     f"{MAX_PATTERN_CHARS:,} are accepted")
+            shapes.append((param, shape(regex)))
+    if (deep := max(shapes, key=lambda s: s[1].depth, default=None)) and deep[1].depth > MAX_GROUP_DEPTH:
+        raise _costly(deep[0], f"a regular expression in {deep[0]} nests its groups {deep[1].depth} deep and at most "
+                               f"{MAX_GROUP_DEPTH} are accepted: the engine's compile grows with the nesting; "
+                               "flatten it")
+    param = max(shapes, key=lambda s: s[1].places + s[1].squares, default=("", None))[0]
+    if (places := sum(s.places for _, s in shapes)) > limits.max_repeats:
+        raise _costly(param, f"the regular expressions in {param} can leave out or repeat {places:,} places in all "
+                             f"(?, *, +, empty alternatives, each {{m,n}}'s n - m, four times on `.` or a negated "
+                             f"class, times those of the groups around them) and at most {limits.max_repeats:,} are "
+                             "accepted (router.max_pattern_repeats): the engine's compile grows faster than they do")
+    if (squares := sum(s.squares for _, s in shapes)) > MAX_COUNT ** 2:
+        raise _costly(param, f"the {{m,n}} counts in {param} cost as much to convert as one count of "
+                             f"{math.isqrt(squares):,} and at most {MAX_COUNT} is accepted: xgrammar converts a count "
+                             "in time growing with its square")
 
 
-def specs(data: dict, every_tool: bool = False) -> Iterator[tuple[str, Any]]:
-    """The body's fields the engine turns into a grammar, with the field's name: the tools when
-    `tool_choice` forces a call (their schemas then become the grammar), or `every_tool` (a tool
-    parser may build a structural tag of them under `auto` too)."""
+def _costly(param: str, why: str) -> ApiError:
+    return ApiError(400, "grammar_too_costly", f"{why}; bound a string's length with minLength and maxLength, which "
+                                               "cost nothing, instead of a counted pattern", param)
+
+
+def specs(data: dict) -> Iterator[tuple[str, Any]]:
+    """The body's fields the engine turns into a grammar, with the field's name: the tools only
+    when `tool_choice` forces a call (their schemas then become the grammar, as vLLM builds it)."""
     for key in SPEC_FIELDS:
         if data.get(key) is not None:
             yield key, data[key]
     choice = data.get("tool_choice")
-    if data.get("tools") is not None and (every_tool or choice == "required" or isinstance(choice, dict)):
+    if data.get("tools") is not None and (choice == "required" or isinstance(choice, dict)):
         yield "tools", data["tools"]
 
 
@@ -99,66 +113,77 @@ def patterns(spec: Any) -> Iterator[str]:
                 pass  # not JSON the engine can read either: vLLM refuses it with its own message
 
 
-def repeats(pattern: str) -> int:
-    """How many places a regular expression can repeat or leave out: each quantifier's larger
-    bound (`{m}`, `{m,}`, `{m,n}`, `{,n}`, spaces allowed as xgrammar allows them) or 1 (`?`,
-    `*`, `+`), a quantified group's times what its inside counts (xgrammar's compile multiplies
-    them: `((.{1,16}){1,16}){1,16}` took 23 s), summed. Read as xgrammar reads a pattern (`[^]`
-    and `[]` are whole classes); a literal brace read as a count only ever refuses more."""
-    frames, inner, i = [0], 0, 0  # counts of the open groups; what the atom just read holds
+@dataclass(frozen=True)
+class Shape:
+    """What a regular expression asks of xgrammar, read as xgrammar reads a pattern (`[^]` and
+    `[]` are whole classes; a count may hold spaces); a literal brace read as a count only ever
+    refuses more, never less."""
+
+    places: int  # it can leave out or repeat: `?`, `*`, `+`, an empty alternative, each `{m,n}`'s
+    # n - m; on a wide atom (`.`, `[^...]`, `\S`) times WIDE; a quantified group's times what its
+    # inside holds (the engine's compile multiplies them)
+    squares: int  # each count's larger bound squared, summed: xgrammar converts a count in that time
+    depth: int  # how deeply its groups nest
+
+
+def shape(pattern: str) -> Shape:
+    """One pass over the pattern, linear in its length."""
+    frames = [[0, False, 1]]  # per open group: its places, whether an alternative is empty, its width
+    squares = deepest = i = 0
     while i < len(pattern):
-        c, quantity = pattern[i], None
+        c, weight = pattern[i], 1  # what a quantifier after this atom multiplies its places by
         if c == "\\":
+            weight = WIDE if pattern[i + 1:i + 2] in ("S", "W", "D") else 1
             i += 2
         elif c == "[":
+            weight = WIDE if pattern[i + 1:i + 2] == "^" else 1
             i += 1 + (pattern[i + 1:i + 2] == "^")
             if pattern[i:i + 1] != "]":  # `[]` and `[^]` end there; other classes at the next `]`
                 while i < len(pattern) and pattern[i] != "]":
                     i += 2 if pattern[i] == "\\" else 1
             i += 1
         elif c == "(":
-            frames.append(0)
+            frames.append([0, pattern[i + 1:i + 2] == "|", 1])
+            deepest = max(deepest, len(frames) - 1)
             i += 1 + (pattern[i + 1:i + 2] == "?")  # a group's kind, not a quantifier
             continue
-        elif c == ")":
-            inner = frames.pop() if len(frames) > 1 else 0
+        elif c == "|":
+            frames[-1][1] |= pattern[i - 1:i] in ("", "|") or pattern[i + 1:i + 2] in ("", "|", ")")
             i += 1
-            quantity = _quantifier(pattern, i)
-            if quantity is None:
-                frames[-1] += inner
+            continue
+        elif c == ")" and len(frames) > 1:
+            inner, empty, width = frames.pop()
+            weight = max(inner, width)
+            i += 1
+            if _quantifier(pattern, i) is None:  # an empty alternative leaves the group out, as `?` does
+                frames[-1][0] += inner + empty * weight
+                frames[-1][2] = max(frames[-1][2], width)
                 continue
-        elif (stray := _quantifier(pattern, i)) is not None:  # after another, or first: counted alone
-            frames[-1] += stray[0]
-            i = stray[1]
+        elif (stray := _quantifier(pattern, i)) is not None:  # one after another, or first: counted alone
+            frames[-1][0] += stray[0]
+            squares += stray[1] ** 2
+            i = stray[2]
             continue
         else:
+            weight = WIDE if c == "." else 1
             i += 1
-        if quantity is None:
-            quantity = _quantifier(pattern, i)
-            inner = 0
-        if quantity is not None:
-            bound, i = quantity
-            frames[-1] += bound * max(inner, 1)
-            i += pattern[i:i + 1] in ("?", "+")  # lazy or possessive: the same count
-    return sum(frames)
+        frames[-1][2] = max(frames[-1][2], weight)
+        if (quantity := _quantifier(pattern, i)) is not None:
+            frames[-1][0] += quantity[0] * weight
+            squares += quantity[1] ** 2
+            i = quantity[2] + (pattern[quantity[2]:quantity[2] + 1] == "?")  # lazy: the same count
+    return Shape(sum(f[0] + f[1] * f[2] for f in frames), squares, deepest)
 
 
-def depth(pattern: str) -> int:
-    """How deeply a regular expression's groups nest (escapes and classes aside)."""
-    deepest = level = 0
-    for c in re.sub(r"\\.|\[\^?\]?[^\]]*\]", "", pattern):
-        level += (c == "(") - (c == ")" and level > 0)
-        deepest = max(deepest, level)
-    return deepest
-
-
-def _quantifier(pattern: str, i: int) -> tuple[int, int] | None:
-    """The count of a quantifier at `i` and where it ends, or None."""
+def _quantifier(pattern: str, i: int) -> tuple[int, int, int] | None:
+    """The places a quantifier at `i` adds, its larger bound, and where it ends; or None."""
     c = pattern[i:i + 1]
     if c in ("?", "*", "+"):
-        return 1, i + 1
+        return 1, 0, i + 1
     if c == "{" and (m := _QUANTIFIER.match(pattern, i)) and (m.group(1) or m.group(3)):
-        return max(_count(m.group(1)), _count(m.group(3))), m.end()
+        low, high = _count(m.group(1)), _count(m.group(3))
+        unbounded = m.group(2) is not None and not m.group(3)
+        return (1 if unbounded else max(high - low, 0)) if m.group(2) else 0, max(low, high), m.end()
     return None
 
 
