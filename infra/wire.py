@@ -29,7 +29,7 @@ def no_proxy_to_loopback(environ: MutableMapping[str, str] = os.environ) -> None
 
 def http_url(host: str, port: int) -> str:
     """`http://host:port`, an IPv6 host in brackets (`http://::1:8000` names no port)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
 
 
 def trust_env(url: str) -> bool:

@@ -85,17 +85,17 @@ class BatchApi:
         except Exception as e:  # not multipart, or a broken one
             raise ApiError(400, "invalid_request", f"send the file as multipart/form-data with fields 'file' "
                                                    f"and 'purpose' ({type(e).__name__}: {e})", "file") from None
+        try:
+            return await self._read(form)
+        finally:
+            await form.close()  # its spooled file, whatever was wrong with the form
+
+    async def _read(self, form: Any) -> tuple[str, str, bytes, int | None]:
         unknown = sorted(set(form.keys()) - FORM_FIELDS)
         if unknown:
             raise ApiError(400, "invalid_request", f"unknown form field {unknown[0]!r}: send 'file', 'purpose' and "
                                                    "optionally expires_after[anchor] and expires_after[seconds]",
                            unknown[0].split("[")[0])
-        try:
-            return await self._read(form)
-        finally:
-            await form.close()  # its spooled file
-
-    async def _read(self, form: Any) -> tuple[str, str, bytes, int | None]:
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "

@@ -40,14 +40,15 @@ def _bad_words(words: Any) -> None:
 def _allowed_token_ids(ids: Any) -> None:
     """Duplicates cost the engine a mask write each, once per choice (520,000 of one id held its
     steps for a second); without them the list is bounded by the vocabulary (vLLM checks each id)."""
-    if isinstance(ids, list) and all(isinstance(i, int) for i in ids) and len(set(ids)) < len(ids):
+    ids = [_int(i) for i in ids] if isinstance(ids, list) else []
+    if len(set(ids)) < len(ids):
         raise ApiError(400, "invalid_value", f"allowed_token_ids holds {len(ids) - len(set(ids)):,} duplicate ids; "
                                              "name each id once", "allowed_token_ids")
 
 
 def _repetition_detection(params: Any) -> None:
-    size = params.get("max_pattern_size") if isinstance(params, dict) else None
-    if isinstance(size, int) and size > MAX_PATTERN_SIZE:
+    size = _int(params.get("max_pattern_size")) if isinstance(params, dict) else None
+    if size is not None and size > MAX_PATTERN_SIZE:
         raise ApiError(400, "too_costly", f"repetition_detection.max_pattern_size is {size:,} and at most "
                                           f"{MAX_PATTERN_SIZE} is accepted: every pattern size up to it is searched "
                                           "for at every step", "repetition_detection")
@@ -56,9 +57,12 @@ def _repetition_detection(params: Any) -> None:
 def _prompt_logprobs(kind: str, data: dict) -> None:
     """Each of `n` choices works out and returns the prompt's logprobs again (16 choices of a
     2,000-token prompt at 20 logprobs: seconds of the pool's event loop and 44 MB of answer)."""
-    echoed = data.get("echo") and data.get("top_logprobs" if kind == "chat" else "logprobs") is not None
-    n = data.get("n")
-    if (data.get("prompt_logprobs") is not None or echoed) and isinstance(n, int) and n > 1:
+    if kind == "chat":  # chat's top_logprobs defaults to 0: an echo alone asks for prompt logprobs
+        echoed = _true(data.get("echo")) and ("top_logprobs" not in data or data["top_logprobs"] is not None)
+    else:
+        echoed = _true(data.get("echo")) and data.get("logprobs") is not None
+    n = _int(data.get("n"))
+    if (data.get("prompt_logprobs") is not None or echoed) and n is not None and n > 1:
         field = "prompt_logprobs" if data.get("prompt_logprobs") is not None else "echo"
         raise ApiError(400, "too_costly", f"{field} with n={n}: each choice would return the prompt's logprobs "
                                           "again; ask for them with n=1", field)
@@ -89,6 +93,22 @@ def _parts(messages: Any, max_model_len: int) -> None:
     if parts > max_model_len:
         raise ApiError(400, "too_costly", f"messages hold {parts:,} messages and content parts, more than "
                                           f"max_model_len {max_model_len} holds tokens; send fewer", "messages")
+
+
+def _int(value: Any) -> int | None:
+    """A whole number as vLLM's pydantic models read one (16, 16.0, "16"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdecimal() and len(value) < 20:
+        return int(value.strip())
+    return value if isinstance(value, int) else None
+
+
+def _true(value: Any) -> bool:
+    """Whether pydantic would read a value as true (any spelling it might accept counts)."""
+    return bool(value) and not (isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", "f", "n"))
 
 
 def _text_length(value: Any) -> int:

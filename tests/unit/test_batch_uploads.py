@@ -99,3 +99,26 @@ def test_the_configs_upload_bounds_reach_the_router(model_dir):
                                   "upload_timeout_s": 42}}
     s = router_settings(check(data, model_dir)).batches
     assert (s.max_uploads_per_tenant, s.upload_timeout_s) == (5, 42)
+
+
+@sync
+async def test_the_forms_spooled_file_is_closed_whatever_was_wrong_with_it(tmp_path, monkeypatch):
+    """An unknown form field was refused before the form was closed (found by a review): the
+    file spooled to disk stayed until collected."""
+    from starlette.datastructures import FormData
+
+    closed = []
+    real = FormData.close
+
+    async def close(self):
+        closed.append(True)
+        await real(self)
+
+    monkeypatch.setattr(FormData, "close", close)
+    app = app_with(tmp_path)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        for extra in ({"surprise": "x"}, {"purpose": "fine-tune"}, {}):
+            r = await http.post("/v1/files", headers={"Authorization": "Bearer key-b"},
+                                data={"purpose": "batch", **extra}, files={"file": ("in.jsonl", _file(1))})
+            assert r.status_code == (200 if not extra else 400), r.text
+    assert len(closed) == 3

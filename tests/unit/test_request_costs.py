@@ -47,6 +47,12 @@ def completion(**kw) -> dict:
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x" * 600}] * 2}],
                   truncate_prompt_tokens=8), "truncation_side"),
     ("chat", chat(messages=[{"role": "user", "content": "a"}] * (LIMIT + 1), truncate_prompt_tokens=8), "messages"),
+    # numbers as vLLM's models read them: a string or a float passed the checks (found by a review)
+    ("completions", completion(prompt_logprobs=5, n="16"), "prompt_logprobs"),
+    ("completions", completion(prompt_logprobs=5, n=16.0), "prompt_logprobs"),
+    ("completions", completion(allowed_token_ids=[5.0, 5.0, 5], temperature=1), "allowed_token_ids"),
+    ("chat", chat(repetition_detection={"max_pattern_size": "100000", "min_count": 2}), "repetition_detection"),
+    ("chat", chat(echo=True, n=16), "echo"),  # chat's top_logprobs defaults to 0: prompt logprobs all the same
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * LIMIT}]), "messages"),
 ])
 def test_a_field_that_costs_beyond_its_charge_is_refused_by_name(kind, body, param):

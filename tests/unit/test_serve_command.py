@@ -110,6 +110,7 @@ def test_the_start_up_summary_writes_an_ipv6_host_in_brackets(monkeypatch, capsy
     from infra.wire import http_url
 
     assert http_url("::1", 8000) == "http://[::1]:8000" and http_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    assert http_url("[::1]", 8000) == "http://[::1]:8000"  # already bracketed
     monkeypatch.setattr(deployments.app, "start_local_ray", lambda ray_config, **kw: None)
     monkeypatch.setattr(deployments.app, "deploy", lambda *a: None)
     monkeypatch.setattr(deployments.cli, "_profile_lines", lambda: [])
