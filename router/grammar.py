@@ -131,7 +131,7 @@ def shape(pattern: str) -> Shape:
     frames = [[0, False, 1]]  # per open group: its places, whether an alternative is empty, its width
     squares = deepest = i = 0
     while i < len(pattern):
-        c, weight = pattern[i], 1  # what a quantifier after this atom multiplies its places by
+        c, weight, inner = pattern[i], 1, 0  # what a quantifier here multiplies; a closed group's own places
         if c == "\\":
             weight = WIDE if pattern[i + 1:i + 2] in ("S", "W", "D") else 1
             i += 2
@@ -169,9 +169,9 @@ def shape(pattern: str) -> Shape:
             i += 1
         frames[-1][2] = max(frames[-1][2], weight)
         if (quantity := _quantifier(pattern, i)) is not None:
-            frames[-1][0] += quantity[0] * weight
+            frames[-1][0] += inner + quantity[0] * weight
             squares += quantity[1] ** 2
-            i = quantity[2] + (pattern[quantity[2]:quantity[2] + 1] == "?")  # lazy: the same count
+            i = quantity[2]  # a `?` after it (lazy to xgrammar) is read as one more place: never fewer
     return Shape(sum(f[0] + f[1] * f[2] for f in frames), squares, deepest)
 
 
@@ -180,7 +180,7 @@ def _quantifier(pattern: str, i: int) -> tuple[int, int, int] | None:
     c = pattern[i:i + 1]
     if c in ("?", "*", "+"):
         return 1, 0, i + 1
-    if c == "{" and (m := _QUANTIFIER.match(pattern, i)) and (m.group(1) or m.group(3)):
+    if c == "{" and (m := _QUANTIFIER.match(pattern, i)) and (m.group(1) or m.group(2)):  # `{,}` is `*`
         low, high = _count(m.group(1)), _count(m.group(3))
         unbounded = m.group(2) is not None and not m.group(3)
         return (1 if unbounded else max(high - low, 0)) if m.group(2) else 0, max(low, high), m.end()
