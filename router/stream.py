@@ -166,9 +166,11 @@ class PoolStream:
         err = getattr(head, "error", None) if not isinstance(head, (list, str)) else None
         if err is not None and hasattr(err, "message"):
             status = int(getattr(err, "code", 400) or 400)
-            self._s.never_ran = True
-            raise ApiError(status if 400 <= status < 600 else 400, str(getattr(err, "type", "invalid_request")),
-                           err.message)
+            status = status if 400 <= status < 600 else 400
+            # a 4xx is an input the engine refused before any work; a 5xx is a generation that
+            # failed, maybe after the engine's work: its usage is unknown and the charge stands
+            self._s.never_ran = status < 500
+            raise ApiError(status, str(getattr(err, "type", "invalid_request")), err.message)
         return first
 
     async def whole(self, first: Any) -> Any:

@@ -324,3 +324,37 @@ def test_a_stream_the_engine_refused_is_a_4xx_and_costs_nothing():
     r, router, settled = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["message"] == "the tools are invalid", r.text
     assert settled == [0] and books_closed(router)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_keeps_the_charge_where_an_input_error_refunds_it(stream):
+    """vLLM answers a request whose generation failed (the engine died, a step raised) with a
+    5xx error object, streamed or whole: the engine may have worked for it, so its usage is
+    unknown and the charge stands. Only a 4xx, an input the engine refused, costs nothing."""
+    from types import SimpleNamespace
+
+    from pools.types import Admitted, Finished
+
+    def failing(code):
+        err = SimpleNamespace(error=SimpleNamespace(message="engine step failed", code=code, type="InternalError"),
+                              model_dump_json=lambda: '{"error": {"message": "engine step failed"}}')
+
+        async def script(call):
+            yield Admitted("p", "r1", 0.0)
+            yield [err] if stream else err
+            yield Finished(None, None, 0.01)
+        return script
+
+    async def go(code):
+        router, _ = make_router(FakePool(failing(code)))
+        settled, finish = [], router._quota.finish
+        router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+        async with client(router) as c:
+            r = await c.post("/p/v1/chat/completions", json={**CHAT, "stream": stream}, headers=auth("a"))
+        return r, router, settled
+
+    r, router, settled = asyncio.run(go(500))
+    assert r.status_code == 500 and r.json()["error"]["message"] == "engine step failed", r.text
+    assert settled == [None] and books_closed(router)
+    r, router, settled = asyncio.run(go(400))
+    assert r.status_code == 400 and settled == [0] and books_closed(router)
