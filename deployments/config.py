@@ -323,9 +323,17 @@ def _check_batches(c: PoolserveConfig) -> list[Problem]:
     return []
 
 
+def _check_ports(c: PoolserveConfig) -> list[Problem]:
+    """Ports of a Ray that poolserve starts itself; one that joins a cluster binds none of them."""
+    if c.ray.address is None and c.ray.metrics_export_port == c.router.port:
+        return [Problem("ray.metrics_export_port", c.ray.metrics_export_port, "is router.port too: the router and "
+                        "Ray's metrics cannot both listen on it", "give Ray's metrics another port (8080 by default)")]
+    return []
+
+
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
     warnings: list[str] = []
-    problems = _check_tenants(config, warnings) + _check_batches(config)
+    problems = _check_tenants(config, warnings) + _check_batches(config) + _check_ports(config)
     for name, p in config.pools.items():
         problems += _check_pool(config, name, p)
     prefixes = [p.route_prefix for p in config.pools.values()]

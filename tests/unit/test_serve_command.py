@@ -121,3 +121,18 @@ def test_the_start_up_summary_writes_an_ipv6_host_in_brackets(monkeypatch, capsy
         main(["serve", "--host", "::1", str(REPO / "deployments/configs/local.yaml")])
     out = capsys.readouterr().out
     assert "http://[::1]:8000/online/v1/chat/completions" in out and "http://::1" not in out, out
+
+
+def test_a_router_port_equal_to_the_metrics_port_is_refused_before_ray_starts(monkeypatch, capsys, model_dir):
+    """`--port 8080` moved Ray's metrics to 8081 with a warning that 8080 was "taken", by
+    nothing but the router's own port: the clash is the config's, and says so."""
+    import deployments.app
+    from deployments.cli import main
+
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["serve", str(REPO / "deployments/configs/local.yaml"), "--port", "8080"]) == 1
+    err = capsys.readouterr().err
+    assert "ray.metrics_export_port" in err and "router.port too" in err
+    joined = set_path(set_path(base(), "ray", {"address": "ray://head:10001", "metrics_export_port": 9000}),
+                      "router", {"port": 9000})
+    assert check(joined, model_dir).config.router.port == 9000, "a Ray it joins binds no metrics port of poolserve's"
