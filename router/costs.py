@@ -15,10 +15,14 @@ from router.errors import ApiError
 MAX_BAD_WORDS, MAX_BAD_WORDS_CHARS = 100, 4096  # vLLM tokenizes each on the event loop, checks each at every step
 MAX_PATTERN_SIZE = 128  # repetition_detection scans this many n-gram sizes at every step
 PROMPT_CHARS_PER_TOKEN = 16  # more characters than this per context token can only be cut away
+MAX_STOP_TOKEN_IDS = 1024  # the engine's scheduler looks each new token up in this list, at every step
+MAX_LOGIT_BIAS = 1024  # the engine rebuilds every running request's entries whenever its batch changes
 
 
 def check(kind: str, data: dict, max_model_len: int) -> None:
     _bad_words(data.get("bad_words"))
+    _stop_token_ids(data.get("stop_token_ids"))
+    _logit_bias(data.get("logit_bias"))
     _allowed_token_ids(data.get("allowed_token_ids"))
     _repetition_detection(data.get("repetition_detection"))
     _prompt_logprobs(kind, data)
@@ -35,6 +39,25 @@ def _bad_words(words: Any) -> None:
                                           f"{MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS:,} characters are accepted: "
                                           "each word is tokenized before the engine starts and checked at every "
                                           "step", "bad_words")
+
+
+def _stop_token_ids(ids: Any) -> None:
+    """The engine's scheduler looks each new token up in this list, for every choice at every
+    step, while every request of the pool waits: 170,000 ids cost 1.6 ms a step (bench/notes.md).
+    Stop strings need no bound here: Ray LLM's models take at most 4."""
+    if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, "too_costly", f"stop_token_ids holds {len(ids):,} ids and at most "
+                                          f"{MAX_STOP_TOKEN_IDS:,} are accepted: each new token is looked up in "
+                                          "them at every step", "stop_token_ids")
+
+
+def _logit_bias(bias: Any) -> None:
+    """95,000 entries (a large vocabulary's, within the body's bound): 51 ms to read on the event
+    loop; at n=16, 0.4 s of the engine's step loop each time its batch changes and 16 ms a step."""
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, "too_costly", f"logit_bias holds {len(bias):,} tokens and at most {MAX_LOGIT_BIAS:,} "
+                                          "are accepted: to allow only a few tokens, name them in "
+                                          "allowed_token_ids", "logit_bias")
 
 
 def _allowed_token_ids(ids: Any) -> None:
