@@ -328,7 +328,8 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     """Seeded schedules: jobs answer some lines and crash, the service restarts (or dies between
     starting a job and saving that it did), polls come at any time, a cancel may come. Once the
     faults end and the jobs run to their end, the batch ends, failed only by its jobs; no line is
-    answered twice; a completed batch answered every line."""
+    answered twice; a completed batch answered every line. After each poll, a marker exists
+    exactly while the batch is unfinished, and a batch in progress counts its output's lines."""
     clock, runner, service, files = world
     rng = random.Random(seed)
     lines = rng.randint(1, 30)
@@ -343,6 +344,7 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
 
     runner.down = rng.random() < 0.3
     b = batches.create("acme", "sk-acme", _upload(files, "acme", lines), "/v1/completions", "24h")
+    batch_dir = Path(files._dir("acme")).parent / "batches"
     cancelled_with_jobs = None  # how many jobs there were when a cancel was accepted
     for _ in range(300):
         record = batches.get("acme", b["id"])
@@ -368,7 +370,14 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
         elif move < 0.7:
             runner.die_after_submit = not runner.die_after_submit
         clock.now += rng.randint(0, 30) if rng.random() < 0.99 else 24 * 3600
+        was = batches.get("acme", b["id"])["status"]
         batches.poll()
+        now = batches.get("acme", b["id"])
+        assert (batch_dir / "open" / b["id"]).exists() == (now["status"] not in TERMINAL), \
+            f"seed {seed}: a {now['status']} batch and its marker disagree"
+        if was == now["status"] == "in_progress" and not (runner.down or runner.die_after_submit):  # counted on
+            rows = _whole_rows(batch_dir / b["id"] / "output.jsonl")
+            assert now["request_counts"]["completed"] + now["request_counts"]["failed"] == len(rows), f"seed {seed}"
     runner.down, disk["full"], runner.die_after_submit = False, False, False
     for _ in range(6):  # the faults end and jobs run to their end: the batch must end too
         job = list(runner.jobs)[-1] if runner.jobs else None
@@ -389,6 +398,10 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     assert record["request_counts"]["completed"] + record["request_counts"]["failed"] == len(ids)
     if record["status"] == "completed":
         assert sorted(ids) == sorted(f"req-{i}" for i in range(lines))
+
+
+def _whole_rows(output: Path) -> list[str]:
+    return [line for line in output.read_text().split("\n")[:-1] if line.strip()] if output.exists() else []
 
 
 def _reads_of(monkeypatch, what) -> list:
