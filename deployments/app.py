@@ -330,7 +330,8 @@ def router_settings(resolved: Resolved):
     batches = None
     if resolved.batches_dir is not None:
         batches = BatchApiSettings(str(resolved.batches_dir), resolved.batch_pool, c.batches.max_file_bytes,
-                                   c.batches.max_lines, c.batches.max_uploads_per_tenant, c.batches.upload_timeout_s)
+                                   c.batches.max_lines, c.batches.max_uploads_per_tenant, c.batches.upload_timeout_s,
+                                   c.batches.max_files_per_tenant, c.batches.max_stored_bytes_per_tenant)
     return RouterSettings(c.model.id, c.model.max_model_len, c.router, c.tenants, tuple(routes), batches)
 
 

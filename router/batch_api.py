@@ -38,6 +38,8 @@ class BatchApiSettings:
     max_lines: int
     max_uploads_per_tenant: int = 2
     upload_timeout_s: float = 600.0
+    max_files_per_tenant: int = 10_000
+    max_stored_bytes_per_tenant: int = 10 << 30
 
 
 class BatchApi:
@@ -59,6 +61,7 @@ class BatchApi:
                 raise ApiError(429, "too_many_uploads", f"{self._uploading[tenant.name]} uploads of this tenant are "
                                                         "still arriving (batches.max_uploads_per_tenant); send the "
                                                         "next when one has finished", "file", retry_after_s=5)
+            await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body is read
             self._uploading[tenant.name] += 1
             try:
                 async with asyncio.timeout(self._s.upload_timeout_s):
@@ -72,6 +75,7 @@ class BatchApi:
                 if not self._uploading[tenant.name]:
                     del self._uploading[tenant.name]
             await asyncio.to_thread(self._check_batch_file, content)
+            await asyncio.to_thread(self._room_for, tenant.name, len(content))
             return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content, expires_after_s)
         return await self._run(request, run)
 
@@ -108,6 +112,20 @@ class BatchApi:
         if len(content) > self._s.max_file_bytes:
             raise _too_large(self._s.max_file_bytes)
         return upload.filename or "upload.jsonl", purpose, content, expires_after_s
+
+    def _room_for(self, tenant: str, size: int) -> None:
+        """Whether the volume holds one more file of `size` bytes for `tenant` within its share.
+        Uploads arriving at once may each pass it: `max_uploads_per_tenant` files over per replica."""
+        files, stored = self._files.usage(tenant)
+        if files >= self._s.max_files_per_tenant:
+            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {files:,} files, the most "
+                                                       "batches.max_files_per_tenant allows: delete files it no "
+                                                       "longer needs (DELETE /v1/files/{file_id})", "file")
+        if stored + size > self._s.max_stored_bytes_per_tenant:
+            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and this "
+                                                       f"one would take it past batches.max_stored_bytes_per_tenant "
+                                                       f"({self._s.max_stored_bytes_per_tenant:,}): delete files it "
+                                                       "no longer needs (DELETE /v1/files/{file_id})", "file")
 
     def _check_batch_file(self, content: bytes) -> None:
         try:

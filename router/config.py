@@ -165,6 +165,13 @@ class BatchesConfig(Frozen):
                                         "replica's `max_ongoing_requests` while it arrives).")
     upload_timeout_s: float = Field(600.0, gt=0, description="A file must arrive within this long, else 408 (200 MiB "
                                                              "in 600 s is 2.8 Mbit/s).")
+    max_files_per_tenant: int = Field(10_000, ge=1, description="Files one tenant may keep (its uploads and its "
+                                      "batches' outputs); an upload beyond gets 413 until it deletes some.")
+    max_stored_bytes_per_tenant: int = Field(10 << 30, ge=1024, description="Bytes of files one tenant may keep on "
+                                             "the volume (its batches' outputs, always written, included); an upload "
+                                             "beyond gets 413. Uploads arriving at once may each pass: size the "
+                                             "volume for the tenants' sum plus max_uploads_per_tenant files each per "
+                                             "router replica.")
     poll_interval_s: float = Field(2.0, gt=0, description="How often batches move on (their jobs are checked).")
 
     @property

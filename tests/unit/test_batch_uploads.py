@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import openai
+import pytest
 
 from pools.types import PriorityClass
 from router.app import RouterSettings
@@ -122,3 +124,42 @@ async def test_the_forms_spooled_file_is_closed_whatever_was_wrong_with_it(tmp_p
                                 data={"purpose": "batch", **extra}, files={"file": ("in.jsonl", _file(1))})
             assert r.status_code == (200 if not extra else 400), r.text
     assert len(closed) == 3
+
+
+@sync
+async def test_a_tenant_stores_at_most_its_share_of_the_volume(tmp_path):
+    """Each upload was bounded, their number was not: one tenant's uploads could fill the volume
+    every tenant's batches (and, on one machine, the node) write to."""
+    one = len(_file(2))
+    app = app_with(tmp_path, max_stored_bytes_per_tenant=3 * one + 1)
+    b = sdk(app, "b")
+    kept = [await b.files.create(file=("in.jsonl", _file(2)), purpose="batch") for _ in range(3)]
+    with pytest.raises(openai.APIStatusError) as e:  # room for a byte, not for the file: refused once it arrived
+        await b.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    assert e.value.status_code == 413 and e.value.body["code"] == "tenant_storage_full", e.value.body
+    assert "batches.max_stored_bytes_per_tenant" in e.value.body["message"]
+    assert len([x async for x in b.files.list()]) == 3, "nothing kept of a refused upload"
+    assert (await sdk(app, "a").files.create(file=("in.jsonl", _file(2)), purpose="batch")).bytes == one
+    await b.files.delete(kept[0].id)  # room again
+    assert (await b.files.create(file=("in.jsonl", _file(2)), purpose="batch")).bytes == one
+
+
+@sync
+async def test_a_tenant_keeps_at_most_so_many_files_and_a_full_one_is_refused_before_its_body(tmp_path):
+    app = app_with(tmp_path, max_files_per_tenant=2, upload_timeout_s=3600)
+    b = sdk(app, "b")
+    for _ in range(2):
+        await b.files.create(file=("in.jsonl", _file(1)), purpose="batch")
+    r = await asyncio.wait_for(stalled_upload(app, "b"), 60)  # its body never comes: answered all the same
+    assert r.status_code == 413 and r.json()["error"]["code"] == "tenant_storage_full", r.text
+    assert "batches.max_files_per_tenant" in r.json()["error"]["message"]
+
+
+def test_the_configs_storage_bounds_reach_the_router(model_dir):
+    from deployments.app import router_settings
+    from tests.unit.test_config import base, check
+
+    data = {**base(), "batches": {"dir": "batches", "pool": "offline-batch", "max_files_per_tenant": 7,
+                                  "max_stored_bytes_per_tenant": 4096}}
+    s = router_settings(check(data, model_dir)).batches
+    assert (s.max_files_per_tenant, s.max_stored_bytes_per_tenant) == (7, 4096)
