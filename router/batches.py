@@ -35,16 +35,16 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from infra.batchfile import ENDPOINTS, jsonl_lines, read_input, result_line
-from router.batch_records import TERMINAL, answered, output_rows, read_record
+from router.batch_records import TERMINAL, BatchStore, answered, output_rows
 from router.errors import ApiError
-from router.files import FileStore, expiry_seconds, page, tenant_dir, write_whole
+from router.files import FileStore, expiry_seconds, page, write_whole
 
 log = logging.getLogger("poolserve.router")
 
 WINDOWS = {"24h": 24 * 3600}
-_ID = re.compile(r"batch_[0-9a-f]{24}")
 _STOPPED = ("FAILED", "STOPPED")
 SWEEP_INTERVAL_S = 60.0
+MARK_AGAIN_S = 600.0  # records a replica of a version without markers writes while this one starts
 
 
 class JobRunner(Protocol):
@@ -73,10 +73,10 @@ class Batches:
     def __init__(self, settings: BatchSettings, files: FileStore, runner: JobRunner,
                  clock: Callable[[], float]) -> None:
         self._s, self._files, self._runner, self._clock = settings, files, runner, clock
+        self._store = BatchStore(settings.root, clock)
         self._swept_at = -float("inf")
-        self._unreadable: set[Path] = set()  # logged once each
-        self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
-        self._mark_unfinished()
+        self._started = clock()
+        self._store.mark_unfinished()
 
     # -- the API ----------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ class Batches:
         if meta["purpose"] != "batch":
             raise ApiError(400, "invalid_value", f"file {input_file_id!r} has purpose {meta['purpose']!r}; upload "
                                                  "the input with purpose 'batch'", "input_file_id")
-        if (active := len(self._open(tenant))) >= self._s.max_active:
+        if (active := self._store.unfinished_of(tenant)) >= self._s.max_active:
             raise ApiError(429, "too_many_batches", f"tenant {tenant!r} has {active} batches unfinished, the most "
                                                     "it may have at once (batches.max_active_per_tenant): wait for "
                                                     "one to end, or cancel one")
@@ -114,8 +114,7 @@ class Batches:
             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
             "_tenant": tenant, "_job": None, "_attempts": 0, "_output_expires_s": output_expires_s,
         }
-        self._marker(tenant, batch_id).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._marker(tenant, batch_id).touch()  # before the record: a crash between leaves a marker the poll drops
+        self._store.mark(tenant, batch_id)
         self._validate(record, key)
         try:
             self._advance(record)
@@ -125,24 +124,20 @@ class Batches:
         return _public(record)
 
     def get(self, tenant: str, batch_id: str) -> dict:
-        return _public(self._load(tenant, batch_id))
+        return _public(self._store.load(tenant, batch_id))
 
     def list(self, tenant: str, limit: int = 20, after: str | None = None) -> dict:
-        records = sorted(self._records(tenant), key=lambda r: (-r["created_at"], r["id"]))
+        records = sorted(self._store.records(tenant), key=lambda r: (-r["created_at"], r["id"]))
         return page([_public(r) for r in records], limit, after)
 
-    def _records(self, tenant: str) -> list[dict]:
-        folder = tenant_dir(self._s.root, tenant) / "batches"
-        return [r for p in (folder.glob("batch_*.json") if folder.is_dir() else ()) if (r := read_record(p)) is not None]
-
     def cancel(self, tenant: str, batch_id: str) -> dict:
-        record = self._load(tenant, batch_id)
+        record = self._store.load(tenant, batch_id)
         if record["status"] in TERMINAL or record["status"] == "cancelling":
             if record["status"] in ("completed", "failed", "expired"):
                 raise ApiError(409, "batch_not_cancellable", f"batch {batch_id!r} is {record['status']} already")
             return _public(record)
         record["status"], record["cancelling_at"] = "cancelling", int(self._clock())
-        self._save(record)  # accepted, whatever the job API answers now: a poll stops the job and ends it
+        self._store.save(record)  # accepted, whatever the job API answers now: a poll stops the job and ends it
         try:
             self._advance(record)
         except Exception:  # noqa: BLE001 - the job API away
@@ -153,47 +148,23 @@ class Batches:
         """Move every batch that is not finished on by one step; now and then, remove expired
         files (but the inputs of batches not finished: a job run again reads its input)."""
         reading, moving = set(), set()
-        for marker in self._s.root.glob("*/batches/open/batch_*") if self._s.root.is_dir() else ():
-            path = marker.parent.parent / f"{marker.name}.json"
-            if (record := read_record(path)) is None:
-                if not path.exists():  # a crash between the marker and the record: no batch
-                    marker.unlink(missing_ok=True)
-                elif path not in self._unreadable:
-                    log.warning("batch record %s cannot be read; it is left as it is", path)
-                    self._unreadable.add(path)
-                continue
+        for record in self._store.unfinished():
+            try:
+                self._advance(record)
+            except Exception:  # one batch's trouble must not stop the others
+                log.exception("batch %s: could not move it on", record["id"])
             if record["status"] not in TERMINAL:
-                try:
-                    self._advance(record)
-                except Exception:  # one batch's trouble must not stop the others
-                    log.exception("batch %s: could not move it on", record["id"])
-            if record["status"] in TERMINAL:
-                marker.unlink(missing_ok=True)  # it ended, here or in a service that died before unmarking it
-            else:
                 reading.add(self._files.path(record["_tenant"], record["input_file_id"]))
                 moving.add(record["id"])
-        self._counted = {k: v for k, v in self._counted.items() if k in moving}
+        self._store.forget_counts_but(moving)
         if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
+            if self._clock() < self._started + MARK_AGAIN_S:  # a replica of the version before may still create
+                self._store.mark_unfinished()
             try:
                 self._files.sweep(keep=reading)
                 self._swept_at = self._clock()
             except OSError:  # a shared volume's hiccup: the next poll sweeps again
                 log.exception("could not remove expired files")
-
-    def _open(self, tenant: str) -> list[str]:
-        """The ids of a tenant's batches not finished (a marker of one that just ended may remain)."""
-        folder = tenant_dir(self._s.root, tenant) / "batches" / "open"
-        return [m.name for m in folder.glob("batch_*") if (r := read_record(self._path(tenant, m.name))) is not None
-                and r["status"] not in TERMINAL] if folder.is_dir() else []
-
-    def _mark_unfinished(self) -> None:
-        """Once, when the service starts: a marker for each batch not finished that has none (the
-        records of a version that kept no markers)."""
-        for path in self._s.root.glob("*/batches/batch_*.json") if self._s.root.is_dir() else ():
-            if (record := read_record(path)) is not None and record["status"] not in TERMINAL:
-                marker = self._marker(record["_tenant"], record["id"])
-                marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                marker.touch()
 
     def _input(self, tenant: str, file_id: str) -> dict:
         try:
@@ -218,9 +189,9 @@ class Batches:
             record["errors"] = {"object": "list", "data": [_line_error(str(p)) for p in problems[:100]]}
             self._finish(record, "failed")
         else:
-            self._folder(record).mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_whole(self._folder(record) / "key", key.encode())
-            self._save(record)
+            self._store.folder(record).mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_whole(self._store.folder(record) / "key", key.encode())
+            self._store.save(record)
 
     def _advance(self, record: dict) -> None:
         now = int(self._clock())
@@ -231,7 +202,7 @@ class Batches:
         if status == "finalizing":  # a finalize that failed half-way: done again, the job never rerun
             self._finalize(record, record["_final"])
             return
-        self._count(record)
+        self._store.count(record)
         state = self._runner.status(job) if job else None
         if status in ("cancelling", "validating") or (status == "in_progress" and now >= record["expires_at"]):
             # the next attempt's job too: it may have started before a crash kept this record from naming it
@@ -241,7 +212,7 @@ class Batches:
             if running:
                 for j in running:
                     self._runner.stop(j)
-                self._save(record)
+                self._store.save(record)
                 return
             self._finalize(record, "cancelled" if status == "cancelling" else "expired")
         elif state == "SUCCEEDED":
@@ -257,7 +228,7 @@ class Batches:
                     "message": f"the batch's job failed {record['_attempts']} times; its last lines: {tail}"}]}
                 self._finalize(record, "failed")
         else:
-            self._save(record)
+            self._store.save(record)
 
     def _submit(self, record: dict) -> None:
         try:
@@ -270,39 +241,22 @@ class Batches:
             self._finalize(record, "failed")
             return
         args = ["--input", str(path),
-                "--output", str(self._output(record)), "--key-file", str(self._folder(record) / "key"),
+                "--output", str(self._store.output(record)), "--key-file", str(self._store.folder(record) / "key"),
                 "--url", self._s.router_url, "--pool", self._s.pool_prefix, "--concurrency", str(self._s.concurrency)]
         record["_job"] = self._runner.submit(_job_name(record, record["_attempts"] + 1), args)
         record["_attempts"] += 1
         if record["status"] == "validating":
             record["status"], record["in_progress_at"] = "in_progress", int(self._clock())
-        self._save(record)
-
-    def _count(self, record: dict) -> None:
-        """The job's answers so far, reading only the lines written since the last count (a batch
-        of 50,000 lines read whole at every poll cost about 0.2 s each time)."""
-        path = self._output(record)
-        start, ok, failed = self._counted.get(record["id"], (0, 0, 0))
-        if not path.exists() or path.stat().st_size < start:  # not the file counted before: all of it again
-            start, ok, failed = 0, 0, 0
-        for row, start in output_rows(path, start):
-            if row is None:
-                continue
-            if answered(row):
-                ok += 1
-            else:
-                failed += 1
-        self._counted[record["id"]] = (start, ok, failed)
-        record["request_counts"].update(completed=ok, failed=failed)
+        self._store.save(record)
 
     def _finalize(self, record: dict, status: str) -> None:
         """The job's output, split: answers in the output file, failures in the error file."""
         if record["status"] != "finalizing":
             record["status"], record["finalizing_at"], record["_final"] = "finalizing", int(self._clock()), status
-            self._save(record)
-        self._count(record)
+            self._store.save(record)
+        self._store.count(record)
         good, bad, seen = [], [], set()
-        for row, _ in output_rows(self._output(record)):
+        for row, _ in output_rows(self._store.output(record)):
             if row is not None:
                 (good if answered(row) else bad).append(json.dumps(row))
                 seen.add(row["custom_id"])
@@ -317,7 +271,7 @@ class Batches:
                 meta = self._files.create(record["_tenant"], f"{record['id']}_{suffix}.jsonl", "batch_output",
                                           ("\n".join(rows) + "\n").encode(), record.get("_output_expires_s"))
                 record[field] = meta["id"]
-                self._save(record)
+                self._store.save(record)
         self._finish(record, status)
 
     def _requests(self, record: dict) -> list:
@@ -331,35 +285,9 @@ class Batches:
     def _finish(self, record: dict, status: str) -> None:
         record["status"] = status
         record[f"{status}_at"] = int(self._clock())
-        self._save(record)
-        (self._folder(record) / "key").unlink(missing_ok=True)
-        self._marker(record["_tenant"], record["id"]).unlink(missing_ok=True)
-        self._counted.pop(record["id"], None)
-
-    # -- storage ----------------------------------------------------------------------
-
-    def _path(self, tenant: str, batch_id: str) -> Path:
-        return tenant_dir(self._s.root, tenant) / "batches" / f"{batch_id}.json"
-
-    def _marker(self, tenant: str, batch_id: str) -> Path:
-        return tenant_dir(self._s.root, tenant) / "batches" / "open" / batch_id
-
-    def _folder(self, record: dict) -> Path:
-        return tenant_dir(self._s.root, record["_tenant"]) / "batches" / record["id"]
-
-    def _output(self, record: dict) -> Path:
-        return self._folder(record) / "output.jsonl"
-
-    def _load(self, tenant: str, batch_id: str) -> dict:
-        record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
-        if record is None:
-            raise ApiError(404, "batch_not_found", f"no batch {batch_id!r}", "batch_id")
-        return record
-
-    def _save(self, record: dict) -> None:
-        path = self._path(record["_tenant"], record["id"])
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_whole(path, json.dumps(record).encode())
+        self._store.save(record)
+        (self._store.folder(record) / "key").unlink(missing_ok=True)
+        self._store.unmark(record)
 
 
 def _public(record: dict) -> dict:

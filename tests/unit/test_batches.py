@@ -373,10 +373,10 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
         was = batches.get("acme", b["id"])["status"]
         batches.poll()
         now = batches.get("acme", b["id"])
-        assert (batch_dir / "open" / b["id"]).exists() == (now["status"] not in TERMINAL), \
-            f"seed {seed}: a {now['status']} batch and its marker disagree"
+        assert (batch_dir / "open" / b["id"]).exists() == (now["status"] not in TERMINAL), f"seed {seed}: marker"
         if was == now["status"] == "in_progress" and not (runner.down or runner.die_after_submit):  # counted on
-            rows = _whole_rows(batch_dir / b["id"] / "output.jsonl")
+            out = batch_dir / b["id"] / "output.jsonl"
+            rows = [x for x in out.read_text().split("\n")[:-1] if x.strip()] if out.exists() else []
             assert now["request_counts"]["completed"] + now["request_counts"]["failed"] == len(rows), f"seed {seed}"
     runner.down, disk["full"], runner.die_after_submit = False, False, False
     for _ in range(6):  # the faults end and jobs run to their end: the batch must end too
@@ -398,73 +398,3 @@ def test_random_crashes_restarts_and_cancels_never_lose_or_repeat_a_line(world, 
     assert record["request_counts"]["completed"] + record["request_counts"]["failed"] == len(ids)
     if record["status"] == "completed":
         assert sorted(ids) == sorted(f"req-{i}" for i in range(lines))
-
-
-def _whole_rows(output: Path) -> list[str]:
-    return [line for line in output.read_text().split("\n")[:-1] if line.strip()] if output.exists() else []
-
-
-def _reads_of(monkeypatch, what) -> list:
-    """The JSON texts parsed from now on that `what` picks out (any module's `json.loads`)."""
-    parsed, loads = [], json.loads
-    monkeypatch.setattr(json, "loads", lambda text, *a, **k: (parsed.append(text) if what(text) else None,
-                                                              loads(text, *a, **k))[1])
-    return parsed
-
-
-def test_a_poll_reads_no_finished_batch_and_no_line_twice(world, monkeypatch):
-    """Each poll read every record the service ever kept and every job's whole output: 2,000
-    finished batches and 8 running ones of 50,000 lines cost 1.4 s a poll, every 2 s, for ever."""
-    clock, runner, service, files = world
-    batches = service()
-    one = _upload(files, "acme", 1)
-    for _ in range(30):
-        batches.create("acme", "k", one, "/v1/completions", "24h")
-        runner.answer(next(j for j, job in runner.jobs.items() if job["state"] == "RUNNING"), then="SUCCEEDED")
-        batches.poll()
-    running = batches.create("acme", "k", _upload(files, "acme", 40), "/v1/completions", "24h")
-    job = next(j for j, job in runner.jobs.items() if job["state"] == "RUNNING")
-    runner.answer(job, 30)
-    batches.poll()
-    runner.answer(job, 10)
-    records = _reads_of(monkeypatch, lambda t: '"object": "batch"' in str(t))
-    rows = _reads_of(monkeypatch, lambda t: "custom_id" in str(t))
-    batches.poll()
-    assert len(records) == 1, "only the batch not finished is read"
-    assert len(rows) == 10, "only the lines written since the last poll"
-    assert batches.get("acme", running["id"])["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
-    restarted = service()  # a new service counts the whole output once, then only what is new
-    restarted.poll()
-    assert batches.get("acme", running["id"])["request_counts"]["completed"] == 40
-
-
-def test_a_tenant_has_at_most_max_active_batches_unfinished(world):
-    clock, runner, service, files = world
-    batches, fid = service(), _upload(files, "acme", 2)
-    made = [batches.create("acme", "k", fid, "/v1/completions", "24h") for _ in range(8)]
-    with pytest.raises(ApiError) as e:
-        batches.create("acme", "k", fid, "/v1/completions", "24h")
-    assert e.value.status == 429 and e.value.code == "too_many_batches"
-    assert batches.create("other", "k", _upload(files, "other", 2), "/v1/completions", "24h")
-    batches.cancel("acme", made[0]["id"])
-    batches.poll()  # its job stopped: the batch ends
-    assert batches.get("acme", made[0]["id"])["status"] == "cancelled"
-    assert batches.create("acme", "k", fid, "/v1/completions", "24h")["status"] == "in_progress"
-
-
-def test_batches_of_a_version_without_markers_and_a_marker_without_a_batch(world):
-    """Records kept before the poll looked for markers still move on; a marker left by a crash
-    before its record was written is no batch and is dropped."""
-    import shutil
-
-    clock, runner, service, files = world
-    b = service().create("acme", "k", _upload(files, "acme", 3), "/v1/completions", "24h")
-    batch_dir = Path(files._dir("acme")).parent / "batches"
-    shutil.rmtree(batch_dir / "open")
-    (batch_dir / "open").mkdir()
-    (batch_dir / "open" / "batch_0123456789abcdef01234567").touch()
-    batches = service()
-    runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
-    batches.poll()
-    assert batches.get("acme", b["id"])["status"] == "completed"
-    assert list((batch_dir / "open").iterdir()) == []
