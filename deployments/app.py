@@ -30,7 +30,7 @@ from ray.serve.deployment import Application
 
 from autoscale.ranges import PoolSpec
 from autoscale.service import ControllerService
-from deployments.config import Resolved, ResolvedPool, load, parse, resolve
+from deployments.config import RAY_AGENT_PORT, Resolved, ResolvedPool, load, parse, resolve
 from infra.handles import Lookup
 from infra.state import DirStore, GcsStore
 from pools.gate import Ceilings, QueuePolicy
@@ -125,7 +125,7 @@ def on_free_metrics_port(resolved: Resolved) -> Resolved:
     saying only that the node did not come up."""
     ray_config = resolved.config.ray
     port = free_port("", ray_config.metrics_export_port, what="Ray's metrics (ray.metrics_export_port)",
-                     skip={resolved.config.router.port})  # free now, but Serve binds it next
+                     skip={resolved.config.router.port, RAY_AGENT_PORT})  # free now, but Serve and Ray bind them next
     if port == ray_config.metrics_export_port:
         return resolved
     ray_config = ray_config.model_copy(update={"metrics_export_port": port})

@@ -323,12 +323,22 @@ def _check_batches(c: PoolserveConfig) -> list[Problem]:
     return []
 
 
+RAY_AGENT_PORT = 52365  # Ray's dashboard agent's, on every node it starts (DEFAULT_DASHBOARD_AGENT_LISTEN_PORT)
+
+
 def _check_ports(c: PoolserveConfig) -> list[Problem]:
     """Ports of a Ray that poolserve starts itself; one that joins a cluster binds none of them."""
-    if c.ray.address is None and c.ray.metrics_export_port == c.router.port:
-        return [Problem("ray.metrics_export_port", c.ray.metrics_export_port, "is router.port too: the router and "
-                        "Ray's metrics cannot both listen on it", "give Ray's metrics another port (8080 by default)")]
-    return []
+    if c.ray.address is not None:
+        return []
+    out = [Problem(key, port, f"is taken by Ray's dashboard agent, which the Ray poolserve starts runs there",
+                   "choose another port") for key, port in (("router.port", c.router.port),
+                                                          ("ray.metrics_export_port", c.ray.metrics_export_port))
+           if port == RAY_AGENT_PORT]
+    if c.ray.metrics_export_port == c.router.port:
+        out.append(Problem("ray.metrics_export_port", c.ray.metrics_export_port, "is router.port too: the router "
+                           "and Ray's metrics cannot both listen on it", "give Ray's metrics another port (8080 by "
+                           "default)"))
+    return out
 
 
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:

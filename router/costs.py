@@ -44,7 +44,7 @@ def _bad_words(words: Any) -> None:
 def _stop_token_ids(ids: Any) -> None:
     """The engine's scheduler looks each new token up in this list, for every choice at every
     step, while every request of the pool waits: 170,000 ids cost 1.6 ms a step (bench/notes.md).
-    Stop strings need no bound here: Ray LLM's models take at most 4."""
+    Stop strings need no bound here: vLLM's request models take at most 4 (VLLM_MAX_STOP_STRINGS)."""
     if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, "too_costly", f"stop_token_ids holds {len(ids):,} ids and at most "
                                           f"{MAX_STOP_TOKEN_IDS:,} are accepted: each new token is looked up in "

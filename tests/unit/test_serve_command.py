@@ -136,3 +136,16 @@ def test_a_router_port_equal_to_the_metrics_port_is_refused_before_ray_starts(mo
     joined = set_path(set_path(base(), "ray", {"address": "ray://head:10001", "metrics_export_port": 9000}),
                       "router", {"port": 9000})
     assert check(joined, model_dir).config.router.port == 9000, "a Ray it joins binds no metrics port of poolserve's"
+
+
+def test_the_port_rays_dashboard_agent_takes_is_refused_for_the_router_and_the_metrics(model_dir):
+    """Ray's dashboard agent binds 52365 on every node the Ray poolserve starts runs, before
+    Serve binds the router's port (found by a review, seen listening on 127.0.0.1:52365)."""
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+
+    from deployments.config import RAY_AGENT_PORT
+
+    assert RAY_AGENT_PORT == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    for section, key in (("router", "port"), ("ray", "metrics_export_port")):
+        with pytest.raises(ConfigError, match=f"{section}.{key}.*Ray's dashboard agent"):
+            check(set_path(base(), section, {key: RAY_AGENT_PORT}), model_dir)
