@@ -61,9 +61,9 @@ class BatchApi:
                 raise ApiError(429, "too_many_uploads", f"{self._uploading[tenant.name]} uploads of this tenant are "
                                                         "still arriving (batches.max_uploads_per_tenant); send the "
                                                         "next when one has finished", "file", retry_after_s=5)
-            await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body is read
-            self._uploading[tenant.name] += 1
+            self._uploading[tenant.name] += 1  # before any await: uploads arriving at once count each other
             try:
+                await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body
                 async with asyncio.timeout(self._s.upload_timeout_s):
                     name, purpose, content, expires_after_s = await self._receive(request, limit)
             except TimeoutError:

@@ -88,8 +88,13 @@ class FileStore:
         and batch outputs included: what the tenant takes of the volume now."""
         if not self._dir(tenant).is_dir():
             return 0, 0
+        sizes = []
         with os.scandir(self._dir(tenant)) as entries:  # the contents' sizes: no file object is read
-            sizes = [e.stat().st_size for e in entries if _ID.fullmatch(e.name)]
+            for entry in entries:
+                try:
+                    sizes += [entry.stat().st_size] if _ID.fullmatch(entry.name) else []
+                except FileNotFoundError:  # deleted meanwhile
+                    pass
         return len(sizes), sum(sizes)
 
     def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None) -> dict:

@@ -163,3 +163,57 @@ def test_the_configs_storage_bounds_reach_the_router(model_dir):
                                   "max_stored_bytes_per_tenant": 4096}}
     s = router_settings(check(data, model_dir)).batches
     assert (s.max_files_per_tenant, s.max_stored_bytes_per_tenant) == (7, 4096)
+
+
+@sync
+async def test_uploads_arriving_at_once_count_each_other(tmp_path):
+    """The storage check, an await between the count's check and its increment, let six
+    uploads arriving together all read their bodies against a bound of two (found by a review)."""
+    app = app_with(tmp_path, max_uploads_per_tenant=2, upload_timeout_s=3600)
+    started = [asyncio.Event() for _ in range(6)]
+    held = [asyncio.create_task(stalled_upload(app, "b", s)) for s in started]
+    try:
+        done, _ = await asyncio.wait(held, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        while len(done) < 4:  # the four beyond the bound are answered; two stay reading
+            more, _ = await asyncio.wait([t for t in held if not t.done()], timeout=60,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            assert more, "an upload beyond the bound was never answered"
+            done |= more
+        assert sorted(t.result().status_code for t in done) == [429] * 4
+        for _ in range(600):  # the two within the bound go on to read their bodies
+            if sum(s.is_set() for s in started) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert sum(s.is_set() for s in started) == 2
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
+def test_a_file_deleted_while_the_usage_is_read_is_not_counted(tmp_path, monkeypatch):
+    """A delete between the folder's listing and a file's stat raised out of the upload: a 500."""
+    import os
+
+    files = FileStore(tmp_path, Clock())
+    gone, kept = (files.create("b", "in.jsonl", "batch", _file(n))["id"] for n in (1, 2))
+    listing = os.scandir
+
+    class Racing:
+        def __init__(self, path):
+            self._it = listing(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._it.close()
+
+        def __iter__(self):
+            for entry in self._it:
+                if entry.name == gone:
+                    os.unlink(entry.path)
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", Racing)
+    assert files.usage("b") == (1, len(_file(2)))
