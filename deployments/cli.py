@@ -25,7 +25,7 @@ def load_or_report(path: str, router: dict | None = None):
 
 
 def _cmd_validate(args) -> int:
-    from deployments.config import local_jobs_problem
+    from deployments.config import local_jobs_problem, local_ray_problems
 
     resolved = load_or_report(args.config)
     if resolved is None:
@@ -38,6 +38,8 @@ def _cmd_validate(args) -> int:
               f"start {rp.start_seqs}{kv}, dtype {rp.dtype}")
     if not resolved.config.ray.address and (problem := local_jobs_problem(resolved)):
         print(f"warning: `poolserve serve` refuses it ({problem})")  # `serve run` on a cluster may not
+    for problem in local_ray_problems(resolved) if not resolved.config.ray.address else ():
+        print(f"warning: `poolserve serve` refuses it ({problem})")
     print(f"{args.config}: OK")
     return 0
 
@@ -93,7 +95,7 @@ def _cmd_serve(args) -> int:
 
     from deployments.app import APP_NAME, deploy, on_free_metrics_port, on_local_dashboard, start_local_ray
     from deployments.batch_cli import DEFAULT_ADDRESS
-    from deployments.config import local_jobs_problem
+    from deployments.config import ConfigError, local_jobs_problem, local_ray_problems
     from infra.wire import http_url
 
     given = {"host": args.host, "port": args.port}  # checked as the config's; the batch jobs' URL takes the port
@@ -114,6 +116,9 @@ def _cmd_serve(args) -> int:
             return 1
     elif problem := local_jobs_problem(resolved):
         print(f"{args.config}: {problem}", file=sys.stderr)
+        return 1
+    elif problems := local_ray_problems(resolved):
+        print(ConfigError(args.config, problems), file=sys.stderr)
         return 1
     else:
         moved = on_free_metrics_port(resolved)

@@ -326,24 +326,9 @@ def _check_batches(c: PoolserveConfig) -> list[Problem]:
 RAY_AGENT_PORT = 52365  # Ray's dashboard agent's, on every node it starts (DEFAULT_DASHBOARD_AGENT_LISTEN_PORT)
 
 
-def _check_ports(c: PoolserveConfig) -> list[Problem]:
-    """Ports of a Ray that poolserve starts itself; one that joins a cluster binds none of them."""
-    if c.ray.address is not None:
-        return []
-    out = [Problem(key, port, f"is taken by Ray's dashboard agent, which the Ray poolserve starts runs there",
-                   "choose another port") for key, port in (("router.port", c.router.port),
-                                                          ("ray.metrics_export_port", c.ray.metrics_export_port))
-           if port == RAY_AGENT_PORT]
-    if c.ray.metrics_export_port == c.router.port:
-        out.append(Problem("ray.metrics_export_port", c.ray.metrics_export_port, "is router.port too: the router "
-                           "and Ray's metrics cannot both listen on it", "give Ray's metrics another port (8080 by "
-                           "default)"))
-    return out
-
-
 def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> Resolved:
     warnings: list[str] = []
-    problems = _check_tenants(config, warnings) + _check_batches(config) + _check_ports(config)
+    problems = _check_tenants(config, warnings) + _check_batches(config)
     for name, p in config.pools.items():
         problems += _check_pool(config, name, p)
     prefixes = [p.route_prefix for p in config.pools.values()]
@@ -375,6 +360,21 @@ def resolve(config: PoolserveConfig, base_dir: Path, source: str = "config") -> 
     batches_dir = _path(base_dir, config.batches.dir) if config.batches.dir else None
     return Resolved(config, base_dir, model_source, pools, tuple(warnings), profiles_dir, batches_dir,
                     batch_pool(config))
+
+
+def local_ray_problems(resolved: Resolved) -> list[Problem]:
+    """Ports the Ray that `poolserve serve` starts itself would find taken by its own parts (a
+    config that joins a cluster, or a manifest for one, binds none of them)."""
+    c = resolved.config
+    out = [Problem(key, port, "is taken by Ray's dashboard agent, which the Ray poolserve starts runs there",
+                   "choose another port") for key, port in (("router.port", c.router.port),
+                                                          ("ray.metrics_export_port", c.ray.metrics_export_port))
+           if port == RAY_AGENT_PORT]
+    if c.ray.metrics_export_port == c.router.port:
+        out.append(Problem("ray.metrics_export_port", c.ray.metrics_export_port, "is router.port too: the router "
+                           "and Ray's metrics cannot both listen on it", "give Ray's metrics another port (8080 by "
+                           "default)"))
+    return out
 
 
 def local_jobs_problem(resolved: Resolved) -> str | None:

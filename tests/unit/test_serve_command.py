@@ -138,14 +138,21 @@ def test_a_router_port_equal_to_the_metrics_port_is_refused_before_ray_starts(mo
     assert check(joined, model_dir).config.router.port == 9000, "a Ray it joins binds no metrics port of poolserve's"
 
 
-def test_the_port_rays_dashboard_agent_takes_is_refused_for_the_router_and_the_metrics(model_dir):
+def test_the_port_rays_dashboard_agent_takes_is_refused_for_the_router_and_the_metrics(monkeypatch, capsys,
+                                                                                       model_dir):
     """Ray's dashboard agent binds 52365 on every node the Ray poolserve starts runs, before
-    Serve binds the router's port (found by a review, seen listening on 127.0.0.1:52365)."""
+    Serve binds the router's port (found by a review, seen listening on 127.0.0.1:52365); a
+    config for a cluster, or a manifest rendered from one, binds no such port."""
     from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 
-    from deployments.config import RAY_AGENT_PORT
+    import deployments.app
+    from deployments.cli import main
+    from deployments.config import RAY_AGENT_PORT, local_ray_problems
 
     assert RAY_AGENT_PORT == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    monkeypatch.setattr(deployments.app, "start_local_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert main(["serve", str(REPO / "deployments/configs/local.yaml"), "--port", str(RAY_AGENT_PORT)]) == 1
+    assert "router.port" in capsys.readouterr().err
     for section, key in (("router", "port"), ("ray", "metrics_export_port")):
-        with pytest.raises(ConfigError, match=f"{section}.{key}.*Ray's dashboard agent"):
-            check(set_path(base(), section, {key: RAY_AGENT_PORT}), model_dir)
+        resolved = check(set_path(base(), section, {key: RAY_AGENT_PORT}), model_dir)  # validates: k8s may use it
+        assert [p.key for p in local_ray_problems(resolved)] == [f"{section}.{key}"]
