@@ -4,8 +4,11 @@ so one damaged batch cannot stop the others. File I/O with the clock as a parame
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -71,6 +74,7 @@ class BatchStore:
         self._root, self._clock = root, clock
         self._unreadable: set[Path] = set()  # logged once each
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
+        self._scanned_ns = -1  # the latest change to a record `mark_unfinished` has read
 
     def load(self, tenant: str, batch_id: str) -> dict:
         record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
@@ -130,14 +134,50 @@ class BatchStore:
                    if (r := read_record(self._path(tenant, m.name))) is not None and r["status"] not in TERMINAL)
 
     def mark_unfinished(self) -> None:
-        """A marker for each batch not finished that has none: the records of a version that
-        kept no markers, read once when a service starts and at its first sweeps (a record that
-        cannot be read is logged, once)."""
-        for path in self._root.glob("*/batches/batch_*.json") if self._root.is_dir() else ():
-            if (record := read_record(path)) is None:
-                self._cannot_read(path)
-            elif record["status"] not in TERMINAL and not self._marker(record["_tenant"], record["id"]).exists():
-                self.mark(record["_tenant"], record["id"])
+        """A marker for each batch not finished that has none: the records of a version that kept
+        no markers (a replica of it may still create batches while this one runs). Reads only the
+        records written since the last call, so a service can call it at every sweep; a record
+        that cannot be read is logged, once."""
+        latest = self._scanned_ns
+        for folder in self._root.glob("*/batches") if self._root.is_dir() else ():
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    try:
+                        changed = entry.stat().st_mtime_ns if entry.name.endswith(".json") else -1
+                    except FileNotFoundError:
+                        continue
+                    if changed < self._scanned_ns or not entry.name.startswith("batch_"):
+                        continue
+                    latest = max(latest, changed)
+                    if (record := read_record(Path(entry.path))) is None:
+                        self._cannot_read(Path(entry.path))
+                    elif record["status"] not in TERMINAL and not self._marker(tenant := record["_tenant"],
+                                                                                record["id"]).exists():
+                        self.mark(tenant, record["id"])
+        self._scanned_ns = latest
+
+    @contextlib.contextmanager
+    def exclusive(self, wait: bool = True) -> Iterator[bool]:
+        """Whether this service holds the folder's lock (`wait`: until it does). Two services (a
+        rolling update) that moved one batch on at once each wrote its output file. A volume
+        without file locks is used as before, unlocked."""
+        self._root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self._root / ".batches.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            except OSError:  # no locks on this volume
+                pass
+            yield True
+
+    def drop_output(self, record: dict) -> None:
+        """A finished batch's job output, split into its output and error files by now: it took
+        the tenant's volume twice, and outside its storage bound."""
+        self.output(record).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: something of another version's, left as it is
+            self.folder(record).rmdir()
 
     def count(self, record: dict) -> None:
         """The job's answers so far into the record, reading only the lines written since the last

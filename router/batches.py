@@ -44,7 +44,6 @@ log = logging.getLogger("poolserve.router")
 WINDOWS = {"24h": 24 * 3600}
 _STOPPED = ("FAILED", "STOPPED")
 SWEEP_INTERVAL_S = 60.0
-MARK_AGAIN_S = 600.0  # records a replica of a version without markers writes while this one starts
 
 
 class JobRunner(Protocol):
@@ -75,13 +74,18 @@ class Batches:
         self._s, self._files, self._runner, self._clock = settings, files, runner, clock
         self._store = BatchStore(settings.root, clock)
         self._swept_at = -float("inf")
-        self._started = clock()
         self._store.mark_unfinished()
 
     # -- the API ----------------------------------------------------------------------
 
     def create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
                metadata: Any = None, output_expires_after: Any = None) -> dict:
+        with self._store.exclusive():
+            return self._create(tenant, key, input_file_id, endpoint, completion_window, metadata,
+                                output_expires_after)
+
+    def _create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
+                metadata: Any, output_expires_after: Any) -> dict:
         if endpoint not in ENDPOINTS:
             raise ApiError(400, "invalid_value", f"endpoint {endpoint!r}: use one of {sorted(ENDPOINTS)}", "endpoint")
         if completion_window not in WINDOWS:
@@ -131,6 +135,10 @@ class Batches:
         return page([_public(r) for r in records], limit, after)
 
     def cancel(self, tenant: str, batch_id: str) -> dict:
+        with self._store.exclusive():
+            return self._cancel(tenant, batch_id)
+
+    def _cancel(self, tenant: str, batch_id: str) -> dict:
         record = self._store.load(tenant, batch_id)
         if record["status"] in TERMINAL or record["status"] == "cancelling":
             if record["status"] in ("completed", "failed", "expired"):
@@ -146,7 +154,13 @@ class Batches:
 
     def poll(self) -> None:
         """Move every batch that is not finished on by one step; now and then, remove expired
-        files (but the inputs of batches not finished: a job run again reads its input)."""
+        files (but the inputs of batches not finished: a job run again reads its input). While
+        another service moves batches on (a rolling update), this one leaves them be."""
+        with self._store.exclusive(wait=False) as mine:
+            if mine:
+                self._poll()
+
+    def _poll(self) -> None:
         reading, moving = set(), set()
         for record in self._store.unfinished():
             try:
@@ -158,8 +172,7 @@ class Batches:
                 moving.add(record["id"])
         self._store.forget_counts_but(moving)
         if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
-            if self._clock() < self._started + MARK_AGAIN_S:  # a replica of the version before may still create
-                self._store.mark_unfinished()
+            self._store.mark_unfinished()  # a replica of the version before may still create batches
             try:
                 self._files.sweep(keep=reading)
                 self._swept_at = self._clock()
@@ -287,6 +300,7 @@ class Batches:
         record[f"{status}_at"] = int(self._clock())
         self._store.save(record)
         (self._store.folder(record) / "key").unlink(missing_ok=True)
+        self._store.drop_output(record)
         self._store.unmark(record)
 
 
