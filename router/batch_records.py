@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,6 +21,8 @@ log = logging.getLogger("poolserve.router")
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 MARKER_GRACE_S = 600.0  # a marker naming no record is dropped only this long after it was made
+RESCAN_MARGIN_NS = 300 * 10**9  # a rescan reads again what changed this long before the last change it saw
+LOCK_WAIT_S = 30.0  # a create or a cancel waits this long for another service's turn, then is a 503
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _MOVING = ("validating", "in_progress", "finalizing", "cancelling")
 _SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
@@ -74,7 +77,7 @@ class BatchStore:
         self._root, self._clock = root, clock
         self._unreadable: set[Path] = set()  # logged once each
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
-        self._scanned_ns = -1  # the latest change to a record `mark_unfinished` has read
+        self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
 
     def load(self, tenant: str, batch_id: str) -> dict:
         record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
@@ -108,14 +111,22 @@ class BatchStore:
         marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_whole(marker, str(int(self._clock())).encode())
 
-    def unmark(self, record: dict) -> None:
+    def tidy(self, record: dict) -> None:
+        """What a finished batch leaves: its marker, its tenant's key, and its job's raw output
+        (split into the batch's output and error files by now: kept, it took the volume twice,
+        outside the tenant's storage bound). After the record is saved, so a crash between leaves
+        a finished record whose marker the next poll finds and tidies."""
+        (self.folder(record) / "key").unlink(missing_ok=True)
+        self.output(record).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: something of another version's, left as it is
+            self.folder(record).rmdir()
         self._marker(record["_tenant"], record["id"]).unlink(missing_ok=True)
         self._counted.pop(record["id"], None)
 
     def unfinished(self) -> Iterator[dict]:
         """The records of every batch not finished, as their markers name them. A marker whose
-        batch ended (in a service that died before unmarking it) is dropped, and so is one naming no
-        record once another service's create can no longer be writing it."""
+        batch ended (in a service that died before tidying it) is tidied, and one naming no
+        record is dropped once another service's create can no longer be writing it."""
         for marker in self._root.glob("*/batches/open/batch_*") if self._root.is_dir() else ():
             path = marker.parent.parent / f"{marker.name}.json"
             if (record := read_record(path)) is None:
@@ -123,8 +134,8 @@ class BatchStore:
                     marker.unlink(missing_ok=True)
                 elif path.exists():
                     self._cannot_read(path)
-            elif record["status"] in TERMINAL:
-                marker.unlink(missing_ok=True)
+            elif record["status"] in TERMINAL:  # a service died while tidying it
+                self.tidy(record)
             else:
                 yield record
 
@@ -136,17 +147,21 @@ class BatchStore:
     def mark_unfinished(self) -> None:
         """A marker for each batch not finished that has none: the records of a version that kept
         no markers (a replica of it may still create batches while this one runs). Reads only the
-        records written since the last call, so a service can call it at every sweep; a record
-        that cannot be read is logged, once."""
-        latest = self._scanned_ns
+        records changed since shortly before the last change the call before saw (a record is
+        written beside and renamed, and folders are read one after another, so one may show a
+        change older than another's read before it), so a service can call it at every sweep; a
+        record that cannot be read is logged, once."""
+        latest, since = self._scanned_ns, self._scanned_ns - RESCAN_MARGIN_NS
         for folder in self._root.glob("*/batches") if self._root.is_dir() else ():
             with os.scandir(folder) as entries:
                 for entry in entries:
+                    if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
+                        continue  # the batches' own folders, the markers'
                     try:
-                        changed = entry.stat().st_mtime_ns if entry.name.endswith(".json") else -1
+                        changed = entry.stat().st_ctime_ns  # a rename changes it, not the written time
                     except FileNotFoundError:
                         continue
-                    if changed < self._scanned_ns or not entry.name.startswith("batch_"):
+                    if changed < since:
                         continue
                     latest = max(latest, changed)
                     if (record := read_record(Path(entry.path))) is None:
@@ -157,27 +172,25 @@ class BatchStore:
         self._scanned_ns = latest
 
     @contextlib.contextmanager
-    def exclusive(self, wait: bool = True) -> Iterator[bool]:
-        """Whether this service holds the folder's lock (`wait`: until it does). Two services (a
+    def exclusive(self, wait_s: float | None = None) -> Iterator[bool]:
+        """Whether this service holds the folder's lock, waited for up to `wait_s` (LOCK_WAIT_S). Two services (a
         rolling update) that moved one batch on at once each wrote its output file. A volume
         without file locks is used as before, unlocked."""
         self._root.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(self._root / ".batches.lock", "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            except OSError:  # no locks on this volume
-                pass
-            yield True
-
-    def drop_output(self, record: dict) -> None:
-        """A finished batch's job output, split into its output and error files by now: it took
-        the tenant's volume twice, and outside its storage bound."""
-        self.output(record).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # not empty: something of another version's, left as it is
-            self.folder(record).rmdir()
+            deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)  # real time: a caller's wait
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    held = False
+                except OSError:  # no locks on this volume
+                    held = True
+                if held or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            yield held
 
     def count(self, record: dict) -> None:
         """The job's answers so far into the record, reading only the lines written since the last

@@ -4,6 +4,7 @@ replica, moved on by a poll loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -14,9 +15,10 @@ from router.files import FileStore
 
 
 class BatchService:
-    """Every tenant's batches behind one Serve replica. API calls and the poll loop take turns
-    (one lock) and run off the event loop (file I/O and the job API block). Refusals come back
-    as `{"error": [status, code, message, param]}`, results as `{"ok": ...}`."""
+    """Every tenant's batches behind one Serve replica. Creates, cancels and the poll loop take
+    turns (one lock; reads need none) and run off the event loop (file I/O and the job API
+    block). Refusals come back as `{"error": [status, code, message, param]}`, results as
+    `{"ok": ...}`."""
 
     def __init__(self, settings: BatchSettings, runner: JobRunner, poll_interval_s: float = 2.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -35,7 +37,9 @@ class BatchService:
     async def call(self, method: str, *args: Any) -> dict:
         if method not in ("create", "get", "list", "cancel"):
             raise ValueError(method)
-        async with self._lock:
+        # reads need no turn (records are written whole): a create waiting for another service's
+        # poll must not hold every tenant's retrieve and list
+        async with self._lock if method in ("create", "cancel") else contextlib.nullcontext():
             try:
                 return {"ok": await asyncio.to_thread(getattr(self._batches, method), *args)}
             except ApiError as e:

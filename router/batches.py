@@ -80,7 +80,8 @@ class Batches:
 
     def create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
                metadata: Any = None, output_expires_after: Any = None) -> dict:
-        with self._store.exclusive():
+        with self._store.exclusive() as mine:
+            _busy(mine)
             return self._create(tenant, key, input_file_id, endpoint, completion_window, metadata,
                                 output_expires_after)
 
@@ -135,7 +136,8 @@ class Batches:
         return page([_public(r) for r in records], limit, after)
 
     def cancel(self, tenant: str, batch_id: str) -> dict:
-        with self._store.exclusive():
+        with self._store.exclusive() as mine:
+            _busy(mine)
             return self._cancel(tenant, batch_id)
 
     def _cancel(self, tenant: str, batch_id: str) -> dict:
@@ -156,7 +158,7 @@ class Batches:
         """Move every batch that is not finished on by one step; now and then, remove expired
         files (but the inputs of batches not finished: a job run again reads its input). While
         another service moves batches on (a rolling update), this one leaves them be."""
-        with self._store.exclusive(wait=False) as mine:
+        with self._store.exclusive(wait_s=0) as mine:
             if mine:
                 self._poll()
 
@@ -299,9 +301,7 @@ class Batches:
         record["status"] = status
         record[f"{status}_at"] = int(self._clock())
         self._store.save(record)
-        (self._store.folder(record) / "key").unlink(missing_ok=True)
-        self._store.drop_output(record)
-        self._store.unmark(record)
+        self._store.tidy(record)
 
 
 def _public(record: dict) -> dict:
@@ -316,3 +316,9 @@ def _line_error(message: str) -> dict:
 def _job_name(record: dict, attempt: int) -> str:
     """The job of a batch's `attempt`: one name, so that a job started before a crash is found again."""
     return f"poolserve-{record['id']}-{attempt}"
+
+
+def _busy(mine: bool) -> None:
+    if not mine:  # another service's poll holds the folder (a job API that answers slowly, say)
+        raise ApiError(503, "batches_busy", "another batch service is moving the batches on; retry shortly",
+                       retry_after_s=5)

@@ -149,3 +149,89 @@ def test_two_services_never_move_one_batch_on_at_once(world):
     outputs = [m["id"] for m in files.list("acme")["data"] if m["purpose"] == "batch_output"]
     assert done["status"] == "completed" and outputs == [done["output_file_id"]]
     assert not (Path(files._dir("acme")).parent / "batches" / made["id"]).exists(), "the raw output is gone"
+
+
+def test_a_record_written_beside_and_renamed_is_found_whatever_its_written_time(world):
+    """A record is written beside and renamed, so its written time may be older than another's
+    the last rescan read: the rescan skipped it for good (found by a review). It reads by the
+    rename's change time, with a margin."""
+    import os
+
+    clock, runner, service, files = world
+    batches, fid = service(), _upload(files, "acme", 3)
+    batches.create("acme", "k", fid, "/v1/completions", "24h")
+    batches.poll()  # a sweep reads that batch's record
+    made = batches.create("acme", "k", fid, "/v1/completions", "24h")
+    folder = Path(files._dir("acme")).parent / "batches"
+    (folder / "open" / made["id"]).unlink()  # as the version before writes it ...
+    hour_ago = (folder / f"{made['id']}.json").stat().st_mtime - 3600
+    os.utime(folder / f"{made['id']}.json", (hour_ago, hour_ago))  # ... written long before its rename
+    clock.now += 61
+    batches.poll()
+    assert (folder / "open" / made["id"]).exists()
+
+
+def test_a_finished_batch_leaves_no_key_nor_raw_output_even_when_its_service_died_tidying(world, monkeypatch,
+                                                                                         caplog):
+    from router.batch_records import BatchStore
+
+    clock, runner, service, files = world
+    batches = service()
+    made = batches.create("acme", "k", _upload(files, "acme", 3), "/v1/completions", "24h")
+    runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
+    tidy = BatchStore.tidy
+    monkeypatch.setattr(BatchStore, "tidy", lambda self, record: (_ for _ in ()).throw(SystemError("died")))
+    batches.poll()  # the record is saved finished, then the service dies
+    monkeypatch.setattr(BatchStore, "tidy", tidy)
+    folder = Path(files._dir("acme")).parent / "batches"
+    assert (folder / made["id"] / "key").exists()
+    with caplog.at_level("WARNING", logger="poolserve.router"):
+        service().poll()  # the next service: its own folder scan reads no batch folder as a record
+    assert batches.get("acme", made["id"])["status"] == "completed" and not (folder / made["id"]).exists()
+    assert not (folder / "open" / made["id"]).exists()
+    assert not [r for r in caplog.records if "cannot be read" in r.getMessage()]
+
+
+def test_a_create_while_another_service_holds_the_batches_waits_then_is_a_503(world, monkeypatch):
+    """Another service's poll may hold the folder across a job API that answers slowly or never."""
+    import router.batch_records
+
+    clock, runner, service, files = world
+    a, b = service(), service()
+    monkeypatch.setattr(router.batch_records, "LOCK_WAIT_S", 0.2)
+    with a._store.exclusive() as mine:
+        assert mine
+        with pytest.raises(ApiError) as e:
+            b.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h")
+    assert e.value.status == 503 and e.value.code == "batches_busy" and e.value.retry_after_s
+    assert b.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h")["status"] == "in_progress"
+
+
+def test_a_create_waiting_for_another_service_holds_no_retrieve(tmp_path, monkeypatch):
+    """The create's wait held the service's one lock, so every tenant's retrieve and list waited
+    behind it too, though they change nothing (found by a review)."""
+    import asyncio
+
+    import router.batch_records
+    from router.batch_service import BatchService
+    from router.batches import BatchSettings
+    from router.files import FileStore
+    from tests.unit.test_batches import Clock, FakeRunner
+
+    monkeypatch.setattr(router.batch_records, "LOCK_WAIT_S", 60.0)
+    clock, settings = Clock(), BatchSettings(tmp_path, "http://router", "offline", max_lines=100)
+    fid = _upload(FileStore(tmp_path, clock), "acme", 2)
+
+    async def go():
+        a, b = (BatchService(settings, FakeRunner(), poll_interval_s=3600, clock=clock) for _ in range(2))
+        made = (await b.call("create", "acme", "k", fid, "/v1/completions", "24h"))["ok"]
+        with a._batches._store.exclusive():  # another service's poll, held by a job API that hangs
+            waiting = asyncio.create_task(b.call("create", "acme", "k", fid, "/v1/completions", "24h"))
+            await asyncio.sleep(0.1)
+            got = await asyncio.wait_for(b.call("get", "acme", made["id"]), 30)
+            assert got["ok"]["id"] == made["id"] and not waiting.done()
+        assert (await asyncio.wait_for(waiting, 60))["ok"]["status"] == "in_progress"
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
