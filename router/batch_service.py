@@ -4,12 +4,13 @@ replica, moved on by a poll loop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
 from typing import Any, Callable
 
 from infra.loops import Loops
-from router.batches import Batches, BatchSettings, JobRunner
+from router import batch_records
+from router.batches import Batches, BatchSettings, JobRunner, busy
 from router.errors import ApiError
 from router.files import FileStore
 
@@ -37,10 +38,19 @@ class BatchService:
     async def call(self, method: str, *args: Any) -> dict:
         if method not in ("create", "get", "list", "cancel"):
             raise ValueError(method)
-        # reads need no turn (records are written whole): a create waiting for another service's
-        # poll must not hold every tenant's retrieve and list
-        async with self._lock if method in ("create", "cancel") else contextlib.nullcontext():
-            try:
+        try:
+            if method in ("get", "list"):  # reads take no turn (records are written whole)
                 return {"ok": await asyncio.to_thread(getattr(self._batches, method), *args)}
-            except ApiError as e:
-                return {"error": [e.status, e.code, e.message, e.param]}
+            # a create or a cancel waits LOCK_WAIT_S in all, for this service's turn and another's
+            deadline = time.monotonic() + batch_records.LOCK_WAIT_S
+            try:
+                await asyncio.wait_for(self._lock.acquire(), batch_records.LOCK_WAIT_S)
+            except TimeoutError:
+                raise busy() from None
+            try:
+                return {"ok": await asyncio.to_thread(functools.partial(
+                    getattr(self._batches, method), *args, wait_s=max(0.0, deadline - time.monotonic())))}
+            finally:
+                self._lock.release()
+        except ApiError as e:
+            return {"error": [e.status, e.code, e.message, e.param, e.retry_after_s]}

@@ -79,9 +79,10 @@ class Batches:
     # -- the API ----------------------------------------------------------------------
 
     def create(self, tenant: str, key: str, input_file_id: Any, endpoint: Any, completion_window: Any,
-               metadata: Any = None, output_expires_after: Any = None) -> dict:
-        with self._store.exclusive() as mine:
-            _busy(mine)
+               metadata: Any = None, output_expires_after: Any = None, wait_s: float | None = None) -> dict:
+        with self._store.exclusive(wait_s) as mine:
+            if not mine:
+                raise busy()
             return self._create(tenant, key, input_file_id, endpoint, completion_window, metadata,
                                 output_expires_after)
 
@@ -135,9 +136,10 @@ class Batches:
         records = sorted(self._store.records(tenant), key=lambda r: (-r["created_at"], r["id"]))
         return page([_public(r) for r in records], limit, after)
 
-    def cancel(self, tenant: str, batch_id: str) -> dict:
-        with self._store.exclusive() as mine:
-            _busy(mine)
+    def cancel(self, tenant: str, batch_id: str, wait_s: float | None = None) -> dict:
+        with self._store.exclusive(wait_s) as mine:
+            if not mine:
+                raise busy()
             return self._cancel(tenant, batch_id)
 
     def _cancel(self, tenant: str, batch_id: str) -> dict:
@@ -220,14 +222,7 @@ class Batches:
         self._store.count(record)
         state = self._runner.status(job) if job else None
         if status in ("cancelling", "validating") or (status == "in_progress" and now >= record["expires_at"]):
-            # the next attempt's job too: it may have started before a crash kept this record from naming it
-            after = _job_name(record, record["_attempts"] + 1)
-            running = [j for j, s in ((job, state), (after, self._runner.status(after)))
-                       if j is not None and s not in ("SUCCEEDED", *_STOPPED)]
-            if running:
-                for j in running:
-                    self._runner.stop(j)
-                self._store.save(record)
+            if not self._stopped(record, state):
                 return
             self._finalize(record, "cancelled" if status == "cancelling" else "expired")
         elif state == "SUCCEEDED":
@@ -245,10 +240,25 @@ class Batches:
         else:
             self._store.save(record)
 
+    def _stopped(self, record: dict, state: str | None) -> bool:
+        """Whether no job of the batch runs, else they are told to stop and the next poll asks
+        again. The next attempt's job too: it may have started before a crash (or a lost answer
+        of the job API) kept this record from naming it."""
+        job, after = record["_job"], _job_name(record, record["_attempts"] + 1)
+        running = [j for j, s in ((job, state), (after, self._runner.status(after)))
+                   if j is not None and s not in ("SUCCEEDED", *_STOPPED)]
+        for j in running:
+            self._runner.stop(j)
+        if running:
+            self._store.save(record)
+        return not running
+
     def _submit(self, record: dict) -> None:
         try:
             path = self._files.content_path(record["_tenant"], record["input_file_id"], expired_ok=True)
-        except ApiError:  # deleted: no job can read it, so the batch ends now, its answers kept
+        except ApiError:  # deleted: no job can read it, so the batch ends once none runs, its answers kept
+            if not self._stopped(record, self._runner.status(record["_job"]) if record["_job"] else None):
+                return
             record["errors"] = {"object": "list", "data": [{
                 "code": "input_file_missing", "line": None, "param": "input_file_id",
                 "message": f"the input file {record['input_file_id']!r} was deleted before the batch's job could "
@@ -318,7 +328,7 @@ def _job_name(record: dict, attempt: int) -> str:
     return f"poolserve-{record['id']}-{attempt}"
 
 
-def _busy(mine: bool) -> None:
-    if not mine:  # another service's poll holds the folder (a job API that answers slowly, say)
-        raise ApiError(503, "batches_busy", "another batch service is moving the batches on; retry shortly",
-                       retry_after_s=5)
+def busy() -> ApiError:
+    """Another service holds the batches (its poll, across a job API that answers slowly, say)."""
+    return ApiError(503, "batches_busy", "another batch service is moving the batches on; retry shortly",
+                    retry_after_s=5)

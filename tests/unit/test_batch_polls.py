@@ -235,3 +235,57 @@ def test_a_create_waiting_for_another_service_holds_no_retrieve(tmp_path, monkey
         await b.close()
 
     asyncio.run(go())
+
+
+def test_creates_waiting_together_each_wait_the_bound_at_most_and_say_when_to_retry(tmp_path, monkeypatch):
+    """Each create waited for this service's turn before its own wait for another's began, so
+    the fourth of four waited four times the bound; and the 503's Retry-After was lost on its
+    way from the service (both found by a review)."""
+    import asyncio
+    import time
+
+    import router.batch_records
+    from router.batch_service import BatchService
+    from router.batches import BatchSettings
+    from router.errors import ApiError
+    from router.files import FileStore
+    from tests.unit.test_batches import Clock, FakeRunner
+
+    monkeypatch.setattr(router.batch_records, "LOCK_WAIT_S", 2.0)
+    clock, settings = Clock(), BatchSettings(tmp_path, "http://router", "offline", max_lines=100)
+    fid = _upload(FileStore(tmp_path, clock), "acme", 2)
+
+    async def go():
+        a, b = (BatchService(settings, FakeRunner(), poll_interval_s=3600, clock=clock) for _ in range(2))
+        with a._batches._store.exclusive():
+            started = time.monotonic()
+            answers = await asyncio.gather(*(b.call("create", "acme", "k", fid, "/v1/completions", "24h")
+                                             for _ in range(4)))
+            waited = time.monotonic() - started
+        await a.close()
+        await b.close()
+        return answers, waited
+
+    answers, waited = asyncio.run(go())
+    errors = [ApiError(*answer["error"]) for answer in answers]
+    assert [(e.status, e.code) for e in errors] == [(503, "batches_busy")] * 4
+    assert all(e.retry_after_s for e in errors) and errors[0].response().headers["retry-after"]
+    assert waited < 2 * 2.0, f"{waited:.1f} s: the creates waited one after another"  # 8 s before
+
+
+def test_a_batch_whose_input_was_deleted_stops_the_job_a_lost_answer_started(world):
+    """The job API started the job but its answer was lost, so the record named none; the input
+    was then deleted and the batch failed at once, its folder removed under the job, which ran
+    on under the tenant's key (found by a review)."""
+    clock, runner, service, files = world
+    batches, fid = service(), _upload(files, "acme", 3)
+    runner.die_after_submit = True
+    made = batches.create("acme", "k", fid, "/v1/completions", "24h")
+    runner.die_after_submit = False
+    files.delete("acme", fid)
+    [job] = runner.jobs
+    batches.poll()
+    assert runner.stopped == [job] and batches.get("acme", made["id"])["status"] == "validating"
+    batches.poll()
+    done = batches.get("acme", made["id"])
+    assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "input_file_missing"
