@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
+import errno
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -25,6 +27,8 @@ from router.body import BodyLimits, read_json
 from router.config import TenantConfig
 from router.errors import ApiError
 from router.files import FileStore, expiry_seconds
+
+log = logging.getLogger("poolserve.router")
 
 FORM_FRAMING_BYTES = 16 << 10  # a multipart upload's boundaries, headers, file name and small fields
 FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}  # as the openai SDK sends them
@@ -64,12 +68,7 @@ class BatchApi:
             self._uploading[tenant.name] += 1  # before any await: uploads arriving at once count each other
             try:
                 await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body
-                async with asyncio.timeout(self._s.upload_timeout_s):
-                    name, purpose, content, expires_after_s = await self._receive(request, limit)
-            except TimeoutError:
-                raise ApiError(408, "upload_timeout", f"the file did not arrive within batches.upload_timeout_s "
-                                                      f"({self._s.upload_timeout_s:g} s); send it faster, or split "
-                                                      "it", "file") from None
+                name, purpose, content, expires_after_s = await self._arrival(request, limit)
             finally:
                 self._uploading[tenant.name] -= 1
                 if not self._uploading[tenant.name]:
@@ -78,6 +77,18 @@ class BatchApi:
             await asyncio.to_thread(self._room_for, tenant.name, len(content))
             return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content, expires_after_s)
         return await self._run(request, run)
+
+    async def _arrival(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
+        """The upload, once it arrived within `upload_timeout_s`."""
+        try:
+            async with asyncio.timeout(self._s.upload_timeout_s) as arrival:
+                return await self._receive(request, limit)
+        except TimeoutError:
+            if not arrival.expired():  # the volume's (ETIMEDOUT), not the upload's
+                raise
+            raise ApiError(408, "upload_timeout", f"the file did not arrive within batches.upload_timeout_s "
+                                                  f"({self._s.upload_timeout_s:g} s); send it faster, or split it",
+                           "file") from None
 
     async def _receive(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
         """The upload's file name, purpose, content and expiry, its form checked."""
@@ -117,15 +128,14 @@ class BatchApi:
         """Whether the volume holds one more file of `size` bytes for `tenant` within its share.
         Uploads arriving at once may each pass it: `max_uploads_per_tenant` files over per replica."""
         files, stored = self._files.usage(tenant)
+        fix = "delete files it no longer needs (DELETE /v1/files/{file_id})"
         if files >= self._s.max_files_per_tenant:
             raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {files:,} files, the most "
-                                                       "batches.max_files_per_tenant allows: delete files it no "
-                                                       "longer needs (DELETE /v1/files/{file_id})", "file")
+                                                       f"batches.max_files_per_tenant allows: {fix}", "file")
         if stored + size > self._s.max_stored_bytes_per_tenant:
             raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and this "
                                                        f"one would take it past batches.max_stored_bytes_per_tenant "
-                                                       f"({self._s.max_stored_bytes_per_tenant:,}): delete files it "
-                                                       "no longer needs (DELETE /v1/files/{file_id})", "file")
+                                                       f"({self._s.max_stored_bytes_per_tenant:,}): {fix}", "file")
 
     def _check_batch_file(self, content: bytes) -> None:
         try:
@@ -217,6 +227,9 @@ class BatchApi:
             return JSONResponse(await step(self._tenant(request)))
         except ApiError as e:
             return e.response()
+        except OSError as e:  # the volume's: named, where it was a 500 (or, timing out, the upload's 408)
+            log.warning("the batch volume failed: %r", e)
+            return _volume_failed(e).response()
 
 
 def _bounded(receive: Callable[[], Awaitable[dict]], limit: int, file_limit: int) -> Callable[[], Awaitable[dict]]:
@@ -232,6 +245,15 @@ def _bounded(receive: Callable[[], Awaitable[dict]], limit: int, file_limit: int
             raise _too_large(file_limit)
         return message
     return bounded
+
+
+def _volume_failed(e: OSError) -> ApiError:
+    problem = e.strerror or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # retrying does not help until the operator makes room
+        return ApiError(507, "storage_full", f"the volume batches.dir names is full ({problem}); nothing was kept: "
+                                             "tell the server's operator")
+    return ApiError(503, "storage_unavailable", f"the volume batches.dir names failed ({problem}); nothing was "
+                                                "kept: retry shortly", retry_after_s=5)
 
 
 def _too_large(limit: int) -> ApiError:

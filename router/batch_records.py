@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -23,6 +24,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 MARKER_GRACE_S = 600.0  # a marker naming no record is dropped only this long after it was made
 RESCAN_MARGIN_NS = 300 * 10**9  # a rescan reads again what changed this long before the last change it saw
 LOCK_WAIT_S = 30.0  # a create or a cancel waits this long for another service's turn, then is a 503
+CACHED_RECORDS = 100_000  # finished records a store keeps read, the oldest dropped first
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _MOVING = ("validating", "in_progress", "finalizing", "cancelling")
 _SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
@@ -71,13 +73,16 @@ class BatchStore:
     """Every tenant's batch records (`<root>/<tenant>/batches/<id>.json`), with a marker for each
     batch not finished (`open/<id>`, holding when it was made) so that a poll reads only those,
     and each job's output counted from where the last count stopped: finished batches and
-    answered lines cost a poll nothing."""
+    answered lines cost a poll nothing. A finished record is written no more, so a list reads it
+    once."""
 
     def __init__(self, root: Path, clock: Callable[[], float]) -> None:
         self._root, self._clock = root, clock
         self._unreadable: set[Path] = set()  # logged once each
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
         self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
+        self._finished: dict[Path, dict] = {}  # finished records read
+        self._finished_lock = threading.Lock()  # lists run in threads
 
     def load(self, tenant: str, batch_id: str) -> dict:
         record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
@@ -92,8 +97,22 @@ class BatchStore:
 
     def records(self, tenant: str) -> list[dict]:
         folder = tenant_dir(self._root, tenant) / "batches"
-        paths = folder.glob("batch_*.json") if folder.is_dir() else ()
-        return [r for p in paths if (r := read_record(p)) is not None]
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            names = []
+        found = (self._record(folder / name) for name in names if name.endswith(".json") and _ID.fullmatch(name[:-5]))
+        return [r for r in found if r is not None]
+
+    def _record(self, path: Path) -> dict | None:
+        if (record := self._finished.get(path)) is not None:
+            return record
+        if (record := read_record(path)) is not None and record["status"] in TERMINAL:
+            with self._finished_lock:
+                self._finished[path] = record
+                while len(self._finished) > CACHED_RECORDS:
+                    del self._finished[next(iter(self._finished))]
+        return record
 
     def folder(self, record: dict) -> Path:
         """Where a batch's job writes its output and finds the tenant's key."""

@@ -7,7 +7,12 @@ Kubernetes, so that every router replica and the batch jobs see the same files).
 A tenant sees only its own folder: another tenant's file id is simply not found. A file kept
 under an expiry policy (OpenAI's `expires_after`) is gone for its tenant from its `expires_at`
 on (not found, not listed, not deleted twice); only `sweep()` removes it, and not while an
-unfinished batch still reads it. Pure file I/O with the clock as a parameter; no Ray.
+unfinished batch still reads it.
+
+A file object is written once, so each store reads it once: a list costs the folder's names and
+the objects new since the last, not every file the tenant keeps. What a crash leaves (a content
+whose object was never written, a half-written file) counts in its tenant's share until `sweep()`
+removes it. Pure file I/O with the clock as a parameter; no Ray.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +31,9 @@ from router.errors import ApiError
 PURPOSES = ("batch", "batch_output")
 _ID = re.compile(r"file-[0-9a-f]{24}")
 EXPIRY_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on an expiry policy's seconds
+ORPHAN_GRACE_S = 3600.0  # what a crash left is removed once no write can still be under way (uploads end in 600 s)
+CACHED_OBJECTS = 200_000  # file objects a store keeps read, the oldest dropped first: about 80 MB at most
+_LEFT = re.compile(r"(\.file-[0-9a-f]{24}(\.json)?\.[0-9a-f]{8}|file-[0-9a-f]{24})")  # write_whole's, a content
 
 
 def expiry_seconds(policy: Any, field: str, how: str = "") -> int | None:
@@ -49,6 +58,8 @@ class FileStore:
     def __init__(self, root: str | Path, clock: Callable[[], float]) -> None:
         self._root = Path(root)
         self._clock = clock
+        self._objects: dict[str, dict] = {}  # file objects read, by path: written once, never stale
+        self._objects_lock = threading.Lock()  # lists run in threads
 
     def _dir(self, tenant: str) -> Path:
         return tenant_dir(self._root, tenant) / "files"
@@ -65,7 +76,11 @@ class FileStore:
         meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": now, "filename": filename,
                 "purpose": purpose, "status": "processed", "status_details": None,
                 "expires_at": None if expires_after_s is None else now + expires_after_s}
-        write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
+        try:
+            write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
+        except BaseException:
+            (folder / file_id).unlink(missing_ok=True)
+            raise
         return meta
 
     def get(self, tenant: str, file_id: str, expired_ok: bool = False) -> dict:
@@ -84,52 +99,77 @@ class FileStore:
         return self._dir(tenant) / file_id
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        """The files a tenant keeps on the volume and their bytes, expired ones not yet swept
-        and batch outputs included: what the tenant takes of the volume now."""
-        if not self._dir(tenant).is_dir():
-            return 0, 0
-        sizes = []
-        with os.scandir(self._dir(tenant)) as entries:  # the contents' sizes: no file object is read
-            for entry in entries:
-                try:
-                    sizes += [entry.stat().st_size] if _ID.fullmatch(entry.name) else []
-                except FileNotFoundError:  # deleted meanwhile
-                    pass
-        return len(sizes), sum(sizes)
+        """The files a tenant keeps on the volume and their bytes, expired ones not yet swept,
+        batch outputs and what a crash left included: what the tenant takes of the volume now."""
+        files, stored = 0, 0
+        for entry in _leftovers_and_contents(self._dir(tenant)):  # their sizes: no file object is read
+            try:
+                stored += entry.stat().st_size
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            files += not entry.name.startswith(".")
+        return files, stored
 
     def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None) -> dict:
         folder = self._dir(tenant)
-        metas = []
-        for path in folder.glob("file-*.json") if folder.is_dir() else ():
-            if (meta := _read_meta(path)) is not None:  # else being deleted
-                metas.append(meta)
-        metas = sorted((m for m in metas if (purpose is None or m["purpose"] == purpose) and not self._expired(m)),
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            names = []
+        now = self._clock()
+        objects = (self._object(folder, name) for name in names if name.endswith(".json") and _ID.fullmatch(name[:-5]))
+        metas = sorted((m for m in objects if m is not None  # else being deleted
+                        and (purpose is None or m["purpose"] == purpose) and not _expired(m, now)),
                        key=lambda m: (-m["created_at"], m["id"]))
         return page(metas, limit, after)
 
     def delete(self, tenant: str, file_id: str) -> dict:
-        meta_path = self._meta_path(tenant, file_id)
         self.get(tenant, file_id)
-        meta_path.unlink(missing_ok=True)
-        (self._dir(tenant) / file_id).unlink(missing_ok=True)
+        self._remove(self._dir(tenant), file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def sweep(self, keep: set[Path] = frozenset()) -> None:
-        """Remove every tenant's expired files but those whose content path is in `keep`."""
+        """Remove every tenant's expired files but those whose content path is in `keep`, and
+        what a crash left (older than ORPHAN_GRACE_S: no write can still be under way)."""
         for folder in self._root.glob("*/files") if self._root.is_dir() else ():
             for path in folder.glob("file-*.json"):
                 meta = _read_meta(path)
                 if meta is not None and self._expired(meta) and folder / meta["id"] not in keep:
-                    path.unlink(missing_ok=True)  # the object first, as `delete` does
-                    (folder / meta["id"]).unlink(missing_ok=True)
+                    self._remove(folder, meta["id"])
+            for entry in _leftovers_and_contents(folder):
+                if (entry.name.startswith(".") or not (folder / f"{entry.name}.json").exists()) \
+                        and _changed_at(entry) < self._clock() - ORPHAN_GRACE_S:
+                    Path(entry.path).unlink(missing_ok=True)
+
+    def _remove(self, folder: Path, file_id: str) -> None:
+        (folder / f"{file_id}.json").unlink(missing_ok=True)  # the object first: a file exists while it does
+        (folder / file_id).unlink(missing_ok=True)
+        with self._objects_lock:
+            self._objects.pop(f"{folder}/{file_id}.json", None)
+
+    def _object(self, folder: Path, name: str) -> dict | None:
+        """A file's object, read once."""
+        key = f"{folder}/{name}"
+        if (meta := self._objects.get(key)) is not None:
+            return meta
+        if (meta := _read_meta(folder / name)) is not None:
+            with self._objects_lock:
+                self._objects[key] = meta
+                while len(self._objects) > CACHED_OBJECTS:
+                    del self._objects[next(iter(self._objects))]
+        return meta
 
     def _expired(self, meta: dict) -> bool:
-        return meta.get("expires_at") is not None and self._clock() >= meta["expires_at"]
+        return _expired(meta, self._clock())
 
     def _meta_path(self, tenant: str, file_id: str) -> Path:
         if not _ID.fullmatch(file_id):
             raise ApiError(404, "file_not_found", f"no file {file_id!r}", "file_id")
         return self._dir(tenant) / f"{file_id}.json"
+
+
+def _expired(meta: dict, now: float) -> bool:
+    return meta.get("expires_at") is not None and now >= meta["expires_at"]
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -146,13 +186,33 @@ def _read_meta(path: Path) -> dict | None:
     return meta if expires is None or type(expires) is int else None  # (a NaN never expired)
 
 
+def _leftovers_and_contents(folder: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as entries:
+            return [e for e in entries if _LEFT.fullmatch(e.name)]
+    except FileNotFoundError:
+        return []
+
+
+def _changed_at(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone already
+
+
 def write_whole(path: Path, data: bytes) -> None:
-    """Whole or not at all: written beside, then renamed; readable by its owner only."""
+    """Whole or not at all: written beside, then renamed; readable by its owner only. A write
+    that fails (a full volume) removes its half."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def page(items: list[dict], limit: int, after: str | None) -> dict:

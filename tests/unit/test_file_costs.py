@@ -1,0 +1,130 @@
+"""What a tenant's Files and Batch API calls cost the processes every tenant shares, and what a
+crash or a failing volume leaves behind. A list read every file object or batch record the tenant
+ever kept, at every call (10,000 files: 0.41 s of the router's CPU a list, in the process that
+also routes every tenant's chat); a crash mid-upload left bytes no bound counted and nothing
+swept; a volume that timed out read as the tenant's slow upload."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import httpx
+import pytest
+
+from router.files import ORPHAN_GRACE_S, FileStore, write_whole
+from tests.unit.test_batch_polls import _reads_of
+from tests.unit.test_batch_uploads import app_with
+from tests.unit.test_batches import Clock, _upload, world  # noqa: F401 (a fixture)
+from tests.unit.test_batch_api import _file, sdk, sync
+
+
+def _objects_read(monkeypatch) -> list:
+    return _reads_of(monkeypatch, lambda t: '"object": "file"' in str(t))
+
+
+def test_a_file_list_reads_each_file_object_once(tmp_path, monkeypatch):
+    clock = Clock()
+    mine, other = FileStore(tmp_path, clock), FileStore(tmp_path, clock)  # two router replicas, one volume
+    ids = [_upload(mine, "acme", 1) for _ in range(40)]
+    soon = mine.create("acme", "soon.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"]
+    assert len(mine.list("acme")["data"]) == 41
+    reads = _objects_read(monkeypatch)
+    assert len(mine.list("acme")["data"]) == 41 and reads == [], "nothing new: no file object read again"
+    other.delete("acme", ids[0])
+    new = _upload(other, "acme", 2)
+    reads.clear()
+    listed = [f["id"] for f in mine.list("acme")["data"]]
+    assert len(reads) == 1, "only the new file's object"
+    assert new in listed and ids[0] not in listed and len(listed) == 41
+    clock.now += 3600
+    listed = [f["id"] for f in mine.list("acme")["data"]]
+    assert soon not in listed and len(listed) == 40, "an expired file is not listed"
+    assert [f["id"] for f in mine.list("acme", limit=2, after=listed[0])["data"]] == listed[1:3]
+
+
+def test_a_batch_list_reads_each_finished_batch_once(world, monkeypatch):
+    clock, runner, service, files = world
+    batches = service()
+    made = [batches.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h") for _ in range(5)]
+    for job in list(runner.jobs)[:4]:
+        runner.answer(job, then="SUCCEEDED")
+    batches.poll()
+    assert [b["status"] for b in batches.list("acme", 100)["data"]].count("completed") == 4
+    records = _reads_of(monkeypatch, lambda t: '"object": "batch"' in str(t))
+    listed = batches.list("acme", 100)["data"]
+    assert len(records) == 1, "only the batch not finished is read again"
+    assert sorted(b["id"] for b in listed) == sorted(b["id"] for b in made)
+    batches.cancel("acme", made[4]["id"])
+    batches.poll()
+    assert {b["id"]: b["status"] for b in batches.list("acme", 100)["data"]}[made[4]["id"]] == "cancelled"
+    records.clear()
+    batches.list("acme", 100)
+    assert records == [], "every batch finished: none read"
+
+
+def _leftovers(files: FileStore, tenant: str, at: float) -> list:
+    """What a router that died mid-upload leaves: a content whose object was never written, and
+    a content still being written beside its name (write_whole's)."""
+    folder = files.path(tenant, "x").parent
+    folder.mkdir(parents=True, exist_ok=True)
+    orphan, partial = folder / "file-0123456789abcdef01234567", folder / ".file-89abcdef0123456789abcdef.0a1b2c3d"
+    orphan.write_bytes(b"o" * 1000)
+    partial.write_bytes(b"p" * 5000)
+    for path in (orphan, partial):
+        os.utime(path, (at, at))
+    return [orphan, partial]
+
+
+def test_what_a_crash_leaves_among_a_tenants_files_is_counted_then_swept(tmp_path):
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    kept = _upload(files, "acme", 1)
+    size = files.get("acme", kept)["bytes"]
+    old = _leftovers(files, "acme", clock.now - ORPHAN_GRACE_S - 1)
+    assert files.usage("acme") == (2, size + 6000), "the tenant's share counts what its crashed uploads hold"
+    files.sweep()
+    assert not any(p.exists() for p in old) and files.usage("acme") == (1, size)
+    young = _leftovers(files, "acme", clock.now - 10)  # an upload in progress, or just ended
+    files.sweep()
+    assert all(p.exists() for p in young), "what may still be in progress is kept"
+    assert [f["id"] for f in files.list("acme")["data"]] == [kept]
+
+
+def test_a_write_that_fails_leaves_nothing_behind(tmp_path, monkeypatch):
+    files = FileStore(tmp_path, Clock())
+    replace = os.replace
+
+    def full(src, dst):
+        if str(dst).endswith(".json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        files.create("acme", "in.jsonl", "batch", b"{}\n")
+    assert list(files.path("acme", "x").parent.iterdir()) == [], "no content without its object, no half file"
+    with pytest.raises(OSError):
+        write_whole(tmp_path / "r.json", b"{}")
+    assert list(tmp_path.glob("*r.json*")) == []
+
+
+@sync
+async def test_a_volume_that_fails_is_named_never_taken_for_a_slow_upload(tmp_path, monkeypatch):
+    app = app_with(tmp_path, upload_timeout_s=600)
+    problems = iter([TimeoutError(errno.ETIMEDOUT, "Connection timed out"), OSError(errno.EIO, "I/O error"),
+                     OSError(errno.ENOSPC, "No space left on device")])
+
+    def failing(self, tenant):
+        raise next(problems)
+    monkeypatch.setattr(FileStore, "usage", failing)
+    answers = []
+    for _ in range(3):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+            answers.append(await http.post("/v1/files", files={"file": ("in.jsonl", _file(1))},
+                                           data={"purpose": "batch"}, headers={"Authorization": "Bearer key-b"}))
+    assert [(r.status_code, r.json()["error"]["code"]) for r in answers] == [
+        (503, "storage_unavailable"), (503, "storage_unavailable"), (507, "storage_full")], [r.text for r in answers]
+    assert "Connection timed out" in answers[0].json()["error"]["message"]
+    assert answers[0].headers["retry-after"] and "retry-after" not in answers[2].headers
+    monkeypatch.undo()
+    assert [f async for f in sdk(app, "b").files.list()] == [], "nothing kept"
