@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import KEYS, REPO, deploy, local_config, ray_cluster
-from deployments.k8s import dashboard
+from deployments.dashboard import dashboard
 
 PROM_PORT = 9099
 

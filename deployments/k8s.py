@@ -14,6 +14,8 @@ from the same config file the local run uses.
     k8s/secret-example.yaml    the shape of the Secret `poolserve-keys` (tenant keys, admin key, HF
                                token), which the router reads at start; never applied: create your own
     k8s/batch-pvc.yaml         the volume batch files are read from and written to
+    k8s/files-pvc.yaml         the Batch API's volume (ReadWriteMany), mounted at `batches.dir` on
+                               every pod of the RayService: only when the config sets `batches.dir`
     k8s/kustomization.yaml     all of the above but the Secret, and the dashboard as a ConfigMap
 
 Ray's token authentication is on in both clusters (`authOptions`): KubeRay generates the token
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import posixpath
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from deployments.config import RayConfig, Resolved, load
+from deployments.dashboard import dashboard
 
 APP_IMPORT_PATH = "deployments.app:app_builder"
 IMAGE_HOME = "/home/ray/poolserve"
@@ -52,101 +56,14 @@ class RenderSettings:
     operator_namespace: str = "default"  # where KubeRay's operator runs (its Helm chart's namespace)
 
 
-# -- the dashboard ---------------------------------------------------------------------------
-
-PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
-    ("Is chat within its SLO?", [
-        ("P99 time to first token (at the replica)", "s", [
-            ('histogram_quantile(0.99, sum by (le, pool) (rate(ray_poolserve_ttft_seconds_bucket[1m])))', "{{pool}}")]),
-        ("P99 time per output token", "s", [
-            ('histogram_quantile(0.99, sum by (le, pool) (rate(ray_poolserve_tpot_seconds_bucket[1m])))', "{{pool}}")]),
-        ("Requests by status", "reqps", [
-            ('sum by (pool, status) (rate(ray_poolserve_router_requests_total[1m]))', "{{pool}} {{status}}")]),
-    ]),
-    ("How deep are the queues?", [
-        ("Queued requests by priority", "short", [
-            ('sum by (pool, priority) (ray_poolserve_queue_depth)', "{{pool}} {{priority}}")]),
-        ("Queued tokens", "short", [('sum by (pool) (ray_poolserve_queued_tokens)', "{{pool}}")]),
-        ("P99 wait at the gate", "s", [
-            ('histogram_quantile(0.99, sum by (le, pool, priority) (rate(ray_poolserve_queue_wait_seconds_bucket[1m])))',
-             "{{pool}} {{priority}}")]),
-    ]),
-    ("Where are the limits inside their safe range?", [
-        ("Active sequences and limit", "short", [
-            ('sum by (pool) (ray_poolserve_active_seqs)', "{{pool}} active"),
-            ('sum by (pool) (ray_poolserve_limit_max_active_seqs)', "{{pool}} limit"),
-            ('max by (pool) (ray_poolserve_safe_range_low)', "{{pool}} range low"),
-            ('max by (pool) (ray_poolserve_safe_range_high)', "{{pool}} range high")]),
-        ("KV cache usage", "percentunit", [
-            ('max by (pool) (ray_poolserve_kv_usage)', "{{pool}}"),
-            ('max by (model_name) (ray_vllm_kv_cache_usage_perc)', "vLLM {{model_name}}")]),
-        ("Stale calibration profile", "short", [('max by (pool) (ray_poolserve_profile_stale)', "{{pool}}")]),
-    ]),
-    ("Who is being throttled?", [
-        ("Quota refusals by tenant", "reqps", [
-            ('sum by (tenant, limit) (rate(ray_poolserve_quota_rejections_total[5m]))', "{{tenant}} {{limit}}")]),
-        ("Tokens per tenant", "short", [
-            ('sum by (tenant, kind) (rate(ray_poolserve_tenant_tokens_total[1m]))', "{{tenant}} {{kind}}")]),
-        ("Quota left this minute (tokens)", "short", [
-            ('min by (tenant) (ray_poolserve_quota_remaining_tokens)', "{{tenant}}")]),
-        ("Gate outcomes", "reqps", [
-            ('sum by (pool) (rate(ray_poolserve_admitted_total[1m]))', "{{pool}} admitted"),
-            ('sum by (pool, reason) (rate(ray_poolserve_rejected_total[1m]))', "{{pool}} rejected {{reason}}"),
-            ('sum by (pool, reason) (rate(ray_poolserve_shed_total[1m]))', "{{pool}} shed by the router {{reason}}"),
-            ('sum by (pool) (rate(ray_poolserve_cancelled_total[1m]))', "{{pool}} cancelled"),
-            ('sum by (pool, into) (rate(ray_poolserve_borrowed_total[1m]))', "{{pool}} borrowed into {{into}}")]),
-    ]),
-    ("Why did the autoscaler move?", [
-        ("Autoscaler decisions by reason", "short", [
-            ('sum by (pool, action, reason) (increase(ray_poolserve_autoscale_decisions_total[5m]))',
-             "{{pool}} {{action}} {{reason}}")]),
-        ("Autoscaler target", "short", [('max by (pool) (ray_poolserve_autoscale_target_seqs)', "{{pool}}")]),
-        ("Engine: running and waiting", "short", [
-            ('sum by (pool) (ray_poolserve_engine_running)', "{{pool}} running"),
-            ('sum by (pool) (ray_poolserve_engine_waiting)', "{{pool}} waiting")]),
-        ("vLLM output tokens/s", "short", [('sum(rate(ray_vllm_generation_tokens_total[1m]))', "all engines")]),
-    ]),
-]
-
-
-def dashboard() -> dict:
-    panels, y, pid = [], 0, 1
-    for row_title, row in PANELS:
-        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
-        pid, y = pid + 1, y + 1
-        width = 24 // len(row)
-        for i, (title, unit, targets) in enumerate(row):
-            panels.append({
-                "id": pid, "type": "timeseries", "title": title,
-                "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": {"h": 8, "w": width, "x": i * width, "y": y},
-                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
-                "targets": [{"refId": chr(65 + j), "expr": expr, "legendFormat": legend,
-                             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
-                            for j, (expr, legend) in enumerate(targets)],
-            })
-            pid += 1
-        y += 8
-    return {
-        "uid": "poolserve", "title": "poolserve", "tags": ["poolserve", "ray", "vllm"], "schemaVersion": 39,
-        "version": 1, "editable": True, "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
-        "timezone": "browser", "graphTooltip": 1,
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus",
-                                 "label": "Prometheus"}]},
-        "annotations": {"list": []},
-        "panels": panels,
-    }
-
-
 # -- manifests -----------------------------------------------------------------------------------
 
-def _container(s: RenderSettings, name: str, resources: dict, ports: list[dict], env: list[dict] = ()) -> dict:
+def _container(s: RenderSettings, name: str, resources: dict, ports: list[dict], env: list[dict] = (),
+               mounts: list[dict] = ()) -> dict:
     return {"name": name, "image": s.image, "resources": {"limits": resources, "requests": resources},
             "ports": ports, "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
                 "name": f"{s.name}-keys", "key": "hf-token", "optional": True}}}, *env],
-            "volumeMounts": [{"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}]}
+            "volumeMounts": [{"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}, *map(dict, mounts)]}
 
 
 CLUSTER_LABEL = "poolserve.io/cluster"
@@ -163,9 +80,37 @@ def _keys_volume(s: RenderSettings) -> dict:
     return {"name": "keys", "secret": {"secretName": f"{s.name}-keys", "defaultMode": 0o400}}
 
 
+def batch_api(config: dict, s: RenderSettings) -> tuple[dict, str | None]:
+    """The config as the cluster runs it, and where the Batch API's volume is mounted (None:
+    `batches.dir` is unset, the API is off). The mount is where the app resolves `batches.dir`
+    in the image. The batch service submits jobs to the head's job API and the jobs reach the
+    router through the serving Service, unless the config names others: 127.0.0.1, the local
+    default, is another pod's on Kubernetes."""
+    b = config.get("batches") or {}
+    if not b.get("dir"):
+        return config, None
+    mount = posixpath.normpath(posixpath.join(f"{IMAGE_HOME}/deployments/configs", b["dir"]))
+    cluster = {"dashboard_url": f"http://{s.name}-head-svc:8265", "router_url": f"http://{s.name}-serve-svc:8000"}
+    return {**config, "batches": {**cluster, **b}}, mount
+
+
+def files_pvc(s: RenderSettings) -> dict:
+    """The Batch API's files and batches: every router replica writes uploads, the batch service
+    and its jobs (on the head) read them, so every pod mounts it."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{s.name}-files", "labels": {"app.kubernetes.io/name": s.name}},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}}
+
+
 def rayservice(config: dict, s: RenderSettings) -> dict:
     from deployments.app import pool_app_name
 
+    config, files_at = batch_api(config, s)
+    files = [] if files_at is None else [{"name": "files", "persistentVolumeClaim": {"claimName": f"{s.name}-files"}}]
+    mounts = [] if files_at is None else [{"name": "files", "mountPath": files_at}]
+
+    def volumes() -> list[dict]:  # each pod its own copy: YAML anchors would make the manifests hard to read
+        return [_keys_volume(s), *json.loads(json.dumps(files))]
     # the control application at / and one per pool at its prefix (deployments.app.build_apps)
     parts = [("control", s.name, "/")] + [(pool, pool_app_name(pool, s.name), p["route_prefix"])
                                           for pool, p in config["pools"].items()]
@@ -195,8 +140,8 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
             "template": {"metadata": {"labels": _cluster_labels(s)}, "spec": {
                 "containers": [_container(s, "ray-worker", {
                     "cpu": s.worker_cpu, "memory": s.worker_memory, "nvidia.com/gpu": str(s.gpus_per_worker)},
-                    [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(e) for e in env])],
-                "volumes": [_keys_volume(s)],
+                    [{"containerPort": METRICS_PORT, "name": "metrics"}], [dict(e) for e in env], mounts)],
+                "volumes": volumes(),
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             }},
         })
@@ -216,8 +161,8 @@ def rayservice(config: dict, s: RenderSettings) -> dict:
                     "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
                     "template": {"metadata": {"labels": _cluster_labels(s)},
                                  "spec": {"containers": [_container(s, "ray-head", {"cpu": "4", "memory": "16Gi"},
-                                                                    head_ports, [dict(e) for e in env])],
-                                          "volumes": [_keys_volume(s)]}},
+                                                                    head_ports, [dict(e) for e in env], mounts)],
+                                          "volumes": volumes()}},
                 },
                 "workerGroupSpecs": workers,
             },
@@ -308,10 +253,11 @@ def batch_pvc(s: RenderSettings) -> dict:
             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}}}
 
 
-def kustomization(s: RenderSettings) -> dict:
+def kustomization(s: RenderSettings, files: bool) -> dict:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
             # no Secret here: applying this would replace the real keys with the example's
-            "resources": ["batch-pvc.yaml", "rayservice.yaml", "podmonitor.yaml", "networkpolicy.yaml"],
+            "resources": ["batch-pvc.yaml", *["files-pvc.yaml"] * files, "rayservice.yaml", "podmonitor.yaml",
+                          "networkpolicy.yaml"],
             "configMapGenerator": [{"name": f"{s.name}-dashboard", "files": ["dashboards/poolserve.json"],
                                     "options": {"labels": {"grafana_dashboard": "1"}}}]}
 
@@ -333,6 +279,7 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
     def doc(obj: dict) -> str:
         return header + yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=120)
 
+    files = batch_api(config, s)[1] is not None
     return {
         "rayservice.yaml": doc(rayservice(config, s)),
         "rayjob-batch.yaml": doc(rayjob(s, resolved)),
@@ -340,7 +287,8 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
         "networkpolicy.yaml": doc(networkpolicy(s)),
         "secret-example.yaml": SECRET_HEADER + doc(secret_example(s, config)),
         "batch-pvc.yaml": doc(batch_pvc(s)),
-        "kustomization.yaml": doc(kustomization(s)),
+        **({"files-pvc.yaml": doc(files_pvc(s))} if files else {}),
+        "kustomization.yaml": doc(kustomization(s, files)),
         "dashboards/poolserve.json": json.dumps(dashboard(), indent=2) + "\n",
     }
 

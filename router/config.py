@@ -144,8 +144,9 @@ class BatchesConfig(Frozen):
 
     dir: str | None = Field(
         None, description="Where tenants' files and batches are kept (relative to the config file): a folder "
-                          "every router replica and the head node see (a ReadWriteMany volume on Kubernetes). "
-                          "Unset: the Batch API is off (its paths answer 404).")
+                          "every router replica and the head node see (on Kubernetes, `poolserve k8s render` mounts "
+                          "a ReadWriteMany volume there on every pod). Unset: the Batch API is off (its paths answer "
+                          "404).")
     pool: str | None = Field(None, description="The pool batches run on (default: the first pool whose "
                                                "default_priority is batch).")
     router_url: str | None = Field(None, description="Where the batch jobs reach the router (default: "

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.k8s import dashboard
+from deployments.dashboard import dashboard
 from tests.integration.conftest import KEYS, wait_for
 
 pytestmark = pytest.mark.integration

@@ -296,3 +296,54 @@ def test_a_config_with_shipped_keys_is_not_rendered_for_a_cluster():
 
     with pytest.raises(ConfigError, match="a key poolserve ships in its examples"):
         render(REPO / "deployments/configs/local.yaml")
+
+
+def _pods(service: dict) -> list[dict]:
+    spec = service["spec"]["rayClusterConfig"]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def _files_mounts(service: dict) -> list[tuple[str, str]]:
+    """Each pod's files volume's claim and where its one container mounts it."""
+    out = []
+    for pod in _pods(service):
+        [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "files"]
+        [mount] = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "files"]
+        out.append((volume["persistentVolumeClaim"]["claimName"], mount["mountPath"]))
+    return out
+
+
+def test_the_batch_api_is_on_a_volume_every_pod_mounts_and_reaches_the_clusters_services():
+    """The Batch API was off in the manifests: its files must be on one volume that every pod
+    mounts (any router replica takes uploads; the batch service and its jobs, on the head, read
+    them), and its jobs' API and router are not at 127.0.0.1 there."""
+    serve_config = yaml.safe_load(_service()["spec"]["serveConfigV2"])
+    for app in serve_config["applications"]:
+        config = parse(app["args"]["config"], "serveConfigV2")
+        resolved = resolve(config, Path(app["args"]["base_dir"].replace("/home/ray/poolserve", str(REPO))))
+        assert (config.batches.dashboard_url, config.batches.router_url) == (
+            "http://poolserve-head-svc:8265", "http://poolserve-serve-svc:8000")
+        assert set(_files_mounts(_service())) == {("poolserve-files", str(resolved.batches_dir))}
+    pvc = yaml.safe_load((K8S / "files-pvc.yaml").read_text().split("\n", 1)[1])
+    assert pvc["metadata"]["name"] == "poolserve-files" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert "files-pvc.yaml" in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+
+
+def test_the_batch_api_follows_the_config_and_is_off_without_its_dir(tmp_path):
+    from deployments.k8s import RenderSettings
+
+    config = yaml.safe_load(CONFIG.read_text())
+    config["batches"] = {"dir": "../../files", "dashboard_url": "http://jobs.example:8265"}
+    path = tmp_path / "k8s.yaml"
+    path.write_text(yaml.safe_dump(config))
+    files = render(path, RenderSettings(name="ps"))
+    service = yaml.safe_load(files["rayservice.yaml"].split("\n", 1)[1])
+    assert set(_files_mounts(service)) == {("ps-files", "/home/ray/poolserve/files")}  # where the app resolves it
+    batches = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]["batches"]
+    assert (batches["dashboard_url"], batches["router_url"]) == ("http://jobs.example:8265", "http://ps-serve-svc:8000")
+    del config["batches"]
+    path.write_text(yaml.safe_dump(config))
+    files = render(path, RenderSettings(name="ps"))
+    service = yaml.safe_load(files["rayservice.yaml"].split("\n", 1)[1])
+    assert not [v for pod in _pods(service) for v in pod["spec"]["volumes"] if v["name"] == "files"]
+    assert "files-pvc.yaml" not in files and "files-pvc.yaml" not in files["kustomization.yaml"]
