@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
-import errno
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from router.auth import Auth, bearer
 from router.body import BodyLimits, read_json
 from router.config import TenantConfig
 from router.errors import ApiError
-from router.files import FileStore, expiry_seconds
+from router.files import FileStore, expiry_seconds, volume_failed
 
 log = logging.getLogger("poolserve.router")
 
@@ -84,7 +83,7 @@ class BatchApi:
             async with asyncio.timeout(self._s.upload_timeout_s) as arrival:
                 return await self._receive(request, limit)
         except TimeoutError:
-            if not arrival.expired():  # the volume's (ETIMEDOUT), not the upload's
+            if not arrival.expired():  # another's (an OSError of ETIMEDOUT is one), not the upload's
                 raise
             raise ApiError(408, "upload_timeout", f"the file did not arrive within batches.upload_timeout_s "
                                                   f"({self._s.upload_timeout_s:g} s); send it faster, or split it",
@@ -171,6 +170,9 @@ class BatchApi:
             path = await asyncio.to_thread(self._files.content_path, tenant.name, file_id)
         except ApiError as e:
             return e.response()
+        except OSError as e:
+            log.warning("the batch volume failed: %r", e)
+            return volume_failed(e).response()
         return FileResponse(path, media_type="application/jsonl")
 
     # -- batches ----------------------------------------------------------------------
@@ -229,7 +231,7 @@ class BatchApi:
             return e.response()
         except OSError as e:  # the volume's: named, where it was a 500 (or, timing out, the upload's 408)
             log.warning("the batch volume failed: %r", e)
-            return _volume_failed(e).response()
+            return volume_failed(e).response()
 
 
 def _bounded(receive: Callable[[], Awaitable[dict]], limit: int, file_limit: int) -> Callable[[], Awaitable[dict]]:
@@ -245,15 +247,6 @@ def _bounded(receive: Callable[[], Awaitable[dict]], limit: int, file_limit: int
             raise _too_large(file_limit)
         return message
     return bounded
-
-
-def _volume_failed(e: OSError) -> ApiError:
-    problem = e.strerror or type(e).__name__
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):  # retrying does not help until the operator makes room
-        return ApiError(507, "storage_full", f"the volume batches.dir names is full ({problem}); nothing was kept: "
-                                             "tell the server's operator")
-    return ApiError(503, "storage_unavailable", f"the volume batches.dir names failed ({problem}); nothing was "
-                                                "kept: retry shortly", retry_after_s=5)
 
 
 def _too_large(limit: int) -> ApiError:

@@ -10,13 +10,12 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 from router.errors import ApiError
-from router.files import tenant_dir, write_whole
+from router.files import READ_ONCE_BYTES, ReadOnce, tenant_dir, write_whole
 
 log = logging.getLogger("poolserve.router")
 
@@ -24,7 +23,6 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 MARKER_GRACE_S = 600.0  # a marker naming no record is dropped only this long after it was made
 RESCAN_MARGIN_NS = 300 * 10**9  # a rescan reads again what changed this long before the last change it saw
 LOCK_WAIT_S = 30.0  # a create or a cancel waits this long for another service's turn, then is a 503
-CACHED_RECORDS = 100_000  # finished records a store keeps read, the oldest dropped first
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _MOVING = ("validating", "in_progress", "finalizing", "cancelling")
 _SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
@@ -45,6 +43,11 @@ def read_record(path: Path) -> dict | None:
             and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
         return None
     return record
+
+
+def _record_and_whether_final(path: Path) -> tuple[dict | None, bool]:
+    record = read_record(path)
+    return record, record is not None and record["status"] in TERMINAL
 
 
 def answered(row: dict) -> bool:
@@ -81,8 +84,7 @@ class BatchStore:
         self._unreadable: set[Path] = set()  # logged once each
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
         self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
-        self._finished: dict[Path, dict] = {}  # finished records read
-        self._finished_lock = threading.Lock()  # lists run in threads
+        self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
 
     def load(self, tenant: str, batch_id: str) -> dict:
         record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
@@ -101,18 +103,8 @@ class BatchStore:
             names = os.listdir(folder)
         except FileNotFoundError:
             names = []
-        found = (self._record(folder / name) for name in names if name.endswith(".json") and _ID.fullmatch(name[:-5]))
-        return [r for r in found if r is not None]
-
-    def _record(self, path: Path) -> dict | None:
-        if (record := self._finished.get(path)) is not None:
-            return record
-        if (record := read_record(path)) is not None and record["status"] in TERMINAL:
-            with self._finished_lock:
-                self._finished[path] = record
-                while len(self._finished) > CACHED_RECORDS:
-                    del self._finished[next(iter(self._finished))]
-        return record
+        return self._finished.read(folder, [n for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])],
+                                   _record_and_whether_final)
 
     def folder(self, record: dict) -> Path:
         """Where a batch's job writes its output and finds the tenant's key."""

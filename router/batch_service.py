@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Any, Callable
 
@@ -12,7 +13,9 @@ from infra.loops import Loops
 from router import batch_records
 from router.batches import Batches, BatchSettings, JobRunner, busy
 from router.errors import ApiError
-from router.files import FileStore
+from router.files import FileStore, volume_failed
+
+log = logging.getLogger("poolserve.router")
 
 
 class BatchService:
@@ -53,4 +56,8 @@ class BatchService:
             finally:
                 self._lock.release()
         except ApiError as e:
-            return {"error": [e.status, e.code, e.message, e.param, e.retry_after_s]}
+            refusal = e
+        except OSError as e:  # the volume's: named, where the router took it for this service restarting
+            log.warning("the batch volume failed: %r", e)
+            refusal = volume_failed(e)
+        return {"error": [refusal.status, refusal.code, refusal.message, refusal.param, refusal.retry_after_s]}

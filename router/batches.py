@@ -122,6 +122,8 @@ class Batches:
         }
         self._store.mark(tenant, batch_id)
         self._validate(record, key)
+        if record["status"] in TERMINAL:  # its input failed validation: saved finished, never written again
+            return _public(record)
         try:
             self._advance(record)
         except Exception:  # a 503 here had the SDK's retries create a batch each: the poll submits it

@@ -17,13 +17,15 @@ removes it. Pure file I/O with the clock as a parameter; no Ray.
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import os
 import re
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 from urllib.parse import quote
 
 from router.errors import ApiError
@@ -32,7 +34,7 @@ PURPOSES = ("batch", "batch_output")
 _ID = re.compile(r"file-[0-9a-f]{24}")
 EXPIRY_S = (3600, 30 * 24 * 3600)  # OpenAI's bounds on an expiry policy's seconds
 ORPHAN_GRACE_S = 3600.0  # what a crash left is removed once no write can still be under way (uploads end in 600 s)
-CACHED_OBJECTS = 200_000  # file objects a store keeps read, the oldest dropped first: about 80 MB at most
+READ_ONCE_BYTES = 8 << 20  # the JSON text a store keeps parsed (3-5 times that in memory): about 30,000 file objects
 _LEFT = re.compile(r"(\.file-[0-9a-f]{24}(\.json)?\.[0-9a-f]{8}|file-[0-9a-f]{24})")  # write_whole's, a content
 
 
@@ -58,8 +60,7 @@ class FileStore:
     def __init__(self, root: str | Path, clock: Callable[[], float]) -> None:
         self._root = Path(root)
         self._clock = clock
-        self._objects: dict[str, dict] = {}  # file objects read, by path: written once, never stale
-        self._objects_lock = threading.Lock()  # lists run in threads
+        self._objects = ReadOnce(READ_ONCE_BYTES)  # file objects are written once: never stale
 
     def _dir(self, tenant: str) -> Path:
         return tenant_dir(self._root, tenant) / "files"
@@ -79,7 +80,8 @@ class FileStore:
         try:
             write_whole(folder / f"{file_id}.json", json.dumps(meta).encode())  # last: a file exists once this does
         except BaseException:
-            (folder / file_id).unlink(missing_ok=True)
+            if not (folder / f"{file_id}.json").exists():  # (a rename retried over NFS may have happened)
+                (folder / file_id).unlink(missing_ok=True)
             raise
         return meta
 
@@ -117,11 +119,12 @@ class FileStore:
         except FileNotFoundError:
             names = []
         now = self._clock()
-        objects = (self._object(folder, name) for name in names if name.endswith(".json") and _ID.fullmatch(name[:-5]))
-        metas = sorted((m for m in objects if m is not None  # else being deleted
-                        and (purpose is None or m["purpose"] == purpose) and not _expired(m, now)),
+        objects = self._objects.read(folder, [n for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])],
+                                     lambda path: (_read_meta(path), True))
+        metas = sorted((m for m in objects if (purpose is None or m["purpose"] == purpose) and not _expired(m, now)),
                        key=lambda m: (-m["created_at"], m["id"]))
-        return page(metas, limit, after)
+        listed = page(metas, limit, after)
+        return {**listed, "data": [dict(m) for m in listed["data"]]}  # the kept ones stay as read
 
     def delete(self, tenant: str, file_id: str) -> dict:
         self.get(tenant, file_id)
@@ -133,7 +136,10 @@ class FileStore:
         what a crash left (older than ORPHAN_GRACE_S: no write can still be under way)."""
         for folder in self._root.glob("*/files") if self._root.is_dir() else ():
             for path in folder.glob("file-*.json"):
-                meta = _read_meta(path)
+                try:
+                    meta = _read_meta(path)
+                except OSError:  # this one unreadable now: the others are swept, it at a later sweep
+                    continue
                 if meta is not None and self._expired(meta) and folder / meta["id"] not in keep:
                     self._remove(folder, meta["id"])
             for entry in _leftovers_and_contents(folder):
@@ -144,20 +150,6 @@ class FileStore:
     def _remove(self, folder: Path, file_id: str) -> None:
         (folder / f"{file_id}.json").unlink(missing_ok=True)  # the object first: a file exists while it does
         (folder / file_id).unlink(missing_ok=True)
-        with self._objects_lock:
-            self._objects.pop(f"{folder}/{file_id}.json", None)
-
-    def _object(self, folder: Path, name: str) -> dict | None:
-        """A file's object, read once."""
-        key = f"{folder}/{name}"
-        if (meta := self._objects.get(key)) is not None:
-            return meta
-        if (meta := _read_meta(folder / name)) is not None:
-            with self._objects_lock:
-                self._objects[key] = meta
-                while len(self._objects) > CACHED_OBJECTS:
-                    del self._objects[next(iter(self._objects))]
-        return meta
 
     def _expired(self, meta: dict) -> bool:
         return _expired(meta, self._clock())
@@ -173,10 +165,11 @@ def _expired(meta: dict, now: float) -> bool:
 
 
 def _read_meta(path: Path) -> dict | None:
-    """A file's object, or None (being written or deleted, or not one)."""
+    """A file's object, or None (being deleted, or not one). A volume that fails raises: its
+    error is named (a 503), where taking it for no file answered 404."""
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (FileNotFoundError, IsADirectoryError, ValueError):
         return None
     if not (isinstance(meta, dict) and isinstance(meta.get("id"), str) and _ID.fullmatch(meta["id"])
             and all(type(meta.get(k)) is t for k, t in (("bytes", int), ("created_at", int), ("purpose", str),
@@ -184,6 +177,60 @@ def _read_meta(path: Path) -> dict | None:
         return None  # another shape (another version's, damaged): listed, it made every list a 500
     expires = meta.get("expires_at")
     return meta if expires is None or type(expires) is int else None  # (a NaN never expired)
+
+
+class ReadOnce:
+    """JSON files parsed once per process where they are never written again (file objects,
+    finished batch records): a list pays for the folder's names and what is new. Kept by
+    folder, so that what left a folder (deleted by another replica) leaves with its next list,
+    within `budget` bytes of their text; the folders listed longest ago go first. Lists run in
+    threads."""
+
+    def __init__(self, budget: int) -> None:
+        self._budget, self._bytes = budget, 0
+        self._folders: collections.OrderedDict[str, dict[str, tuple[dict, int]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, folder: Path, names: Iterable[str], parse: Callable[[Path], tuple[dict | None, bool]]
+             ) -> list[dict]:
+        """What `parse` makes of each name's file, reading only those not kept; `parse` says
+        whether its answer may be kept (never written again)."""
+        with self._lock:
+            kept = self._folders.get(str(folder), {})
+        now: dict[str, tuple[dict, int]] = {}
+        out = []
+        for name in names:
+            if (hit := kept.get(name)) is None:
+                item, final = parse(folder / name)
+                if item is None:  # being deleted, or not one
+                    continue
+                if final:
+                    hit = (item, len(json.dumps(item)))
+                else:
+                    out.append(item)
+                    continue
+            now[name] = hit
+            out.append(hit[0])
+        with self._lock:
+            self._bytes -= sum(size for _, size in self._folders.pop(str(folder), {}).values())
+            self._folders[str(folder)] = now
+            self._bytes += sum(size for _, size in now.values())
+            while self._bytes > self._budget and self._folders:  # one folder past the budget is read each time
+                self._bytes -= sum(size for _, size in self._folders.popitem(last=False)[1].values())
+        return out
+
+
+def volume_failed(e: OSError) -> ApiError:
+    """The volume's own failure, named: never the tenant's fault, never a bare 500."""
+    problem = e.strerror or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ApiError(507, "storage_full", f"the volume batches.dir names is full ({problem}); nothing was kept: "
+                                             "tell the server's operator")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ApiError(503, "storage_unavailable", f"the volume batches.dir names refuses this server ({problem}): "
+                                                    "tell the server's operator")
+    return ApiError(503, "storage_unavailable", f"the volume batches.dir names failed ({problem}); nothing was "
+                                                "kept: retry shortly", retry_after_s=5)
 
 
 def _leftovers_and_contents(folder: Path) -> list[os.DirEntry]:

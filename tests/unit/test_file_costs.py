@@ -6,16 +6,22 @@ swept; a volume that timed out read as the tenant's slow upload."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
 
-from router.files import ORPHAN_GRACE_S, FileStore, write_whole
+from router.batch_api import BatchApi
+from router.batch_service import BatchService
+from router.batches import Batches, BatchSettings
+from router.files import ORPHAN_GRACE_S, FileStore, ReadOnce, write_whole
 from tests.unit.test_batch_polls import _reads_of
 from tests.unit.test_batch_uploads import app_with
-from tests.unit.test_batches import Clock, _upload, world  # noqa: F401 (a fixture)
+from tests.unit.test_batches import Clock, FakeRunner, _line, _upload, world  # noqa: F401 (a fixture)
 from tests.unit.test_batch_api import _file, sdk, sync
 
 
@@ -128,3 +134,80 @@ async def test_a_volume_that_fails_is_named_never_taken_for_a_slow_upload(tmp_pa
     assert answers[0].headers["retry-after"] and "retry-after" not in answers[2].headers
     monkeypatch.undo()
     assert [f async for f in sdk(app, "b").files.list()] == [], "nothing kept"
+
+
+def test_what_is_kept_read_stays_within_its_budget_and_leaves_with_its_file(tmp_path):
+    """Entries were dropped one at a time from the front of one dict, which slowed every insert
+    as the dict ran (210 us each after 400,000), and files another replica deleted stayed for
+    ever (found by a review)."""
+    parsed = []
+
+    def parse(path: Path):
+        parsed.append(path.name)
+        return {"name": path.name, "pad": "x" * 80}, True
+    kept = ReadOnce(budget=2_000)
+    a, b = tmp_path / "a", tmp_path / "b"
+    names = [f"{i}.json" for i in range(10)]  # about 1,100 bytes of text
+    assert len(kept.read(a, names, parse)) == 10 and len(parsed) == 10
+    kept.read(a, names[1:], parse)  # one deleted: it leaves what is kept
+    assert len(parsed) == 10 and kept._bytes < 1_100
+    kept.read(b, names, parse)  # past the budget: the folder listed longest ago goes
+    kept.read(a, names, parse)
+    assert len(parsed) == 30 and kept._bytes <= 2_000
+    big = [f"{i}.json" for i in range(30)]  # one folder past the budget is read each time
+    kept.read(a, big, parse), kept.read(a, big, parse)
+    assert len(parsed) == 80 and kept._bytes <= 2_000
+
+
+def test_a_batch_that_fails_its_checks_is_saved_finished_once(world, monkeypatch):
+    """Its finished record was saved again by the step after its checks, and a list between the
+    two writes kept the first (found by a review)."""
+    from router.batch_records import BatchStore
+
+    _, runner, service, files = world
+    batches, saved, save = service(), [], BatchStore.save
+    monkeypatch.setattr(BatchStore, "save", lambda self, record: (saved.append(record["status"]), save(self, record)))
+    fid = files.create("acme", "in.jsonl", "batch", (_line(0, url="/v1/chat/completions") + "\n").encode())["id"]
+    b = batches.create("acme", "k", fid, "/v1/completions", "24h")
+    assert b["status"] == "failed" and saved == ["failed"] and runner.jobs == {}
+
+
+def _volume_fails(monkeypatch, problem: OSError, where=lambda path: str(path).endswith(".json")):
+    read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(problem) if where(self)
+                        else read(self, *a, **k))
+
+
+@sync
+async def test_a_volume_that_fails_is_no_missing_file_and_no_restarting_service(tmp_path, monkeypatch):
+    """A file object the volume could not read was taken for no file (404); a create or cancel
+    that met the volume's error was answered as the batch service restarting; a content the
+    volume could not read was a bare 500; a timeout of anything else while an upload arrived
+    was the upload's 408 (found by a review)."""
+    app = app_with(tmp_path, upload_timeout_s=600)
+    made = await sdk(app, "b").files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    auth = {"Authorization": "Bearer key-b"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+        with monkeypatch.context() as m:
+            _volume_fails(m, OSError(errno.EIO, "I/O error"))
+            got = [await http.get(f"/v1/files/{made.id}", headers=auth),
+                   await http.get(f"/v1/files/{made.id}/content", headers=auth),
+                   await http.delete(f"/v1/files/{made.id}", headers=auth)]
+        with monkeypatch.context() as m:
+            m.setattr(BatchApi, "_read", lambda *a: (_ for _ in ()).throw(TimeoutError(errno.ETIMEDOUT, "timed out")))
+            got.append(await http.post("/v1/files", files={"file": ("in.jsonl", _file(1))}, data={"purpose": "batch"},
+                                       headers=auth))
+    assert [(r.status_code, r.json()["error"]["code"]) for r in got] == [(503, "storage_unavailable")] * 4, \
+        [r.text for r in got]
+    assert (await sdk(app, "b").files.retrieve(made.id)).id == made.id, "nothing lost"
+
+    clock = Clock()
+    service = BatchService(BatchSettings(tmp_path, "http://router", "p"), FakeRunner(), poll_interval_s=3600,
+                           clock=clock)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(Batches, "create", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+            full = await service.call("create", "b", "k", made.id, "/v1/completions", "24h")
+    finally:
+        await service.close()
+    assert full["error"][:2] == [507, "storage_full"] and "No space" in full["error"][2]
