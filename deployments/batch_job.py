@@ -105,14 +105,22 @@ class Output:
     lock, released by the kernel even when the job is killed), appended one whole line at a
     time (O_APPEND, under the lock), so a crash can tear at most the last line, which a rerun cuts off."""
 
-    def __init__(self, path: Path) -> None:
+    LOCK_WAIT_S = 0.5  # the batch service probes the lock for an instant (router.batch_records.output_held)
+
+    def __init__(self, path: Path, wait_s: float = LOCK_WAIT_S) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise OutputBusy(f"another job is writing {path}; wait for it, stop it, or choose another output")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._fd)
+                    raise OutputBusy(f"another job is writing {path}; wait for it, stop it, or choose another "
+                                     "output") from None
+                time.sleep(0.05)
         os.fchmod(self._fd, 0o600)  # also a file an older job left readable
 
     def completed_ids(self) -> set[str]:

@@ -54,6 +54,7 @@ class RenderSettings:
     worker_memory: str = "48Gi"
     gpus_per_worker: int = 1
     operator_namespace: str = "default"  # where KubeRay's operator runs (its Helm chart's namespace)
+    files_storage_class: str | None = None  # the Batch API's volume's (one offering ReadWriteMany); None: the default
 
 
 # -- manifests -----------------------------------------------------------------------------------
@@ -80,32 +81,30 @@ def _keys_volume(s: RenderSettings) -> dict:
     return {"name": "keys", "secret": {"secretName": f"{s.name}-keys", "defaultMode": 0o400}}
 
 
-def batch_api(config: dict, s: RenderSettings) -> tuple[dict, str | None]:
-    """The config as the cluster runs it, and where the Batch API's volume is mounted (None:
-    `batches.dir` is unset, the API is off). The mount is where the app resolves `batches.dir`
-    in the image. The batch service submits jobs to the head's job API and the jobs reach the
-    router through the serving Service, unless the config names others: 127.0.0.1, the local
-    default, is another pod's on Kubernetes."""
-    b = config.get("batches") or {}
-    if not b.get("dir"):
-        return config, None
-    mount = posixpath.normpath(posixpath.join(f"{IMAGE_HOME}/deployments/configs", b["dir"]))
-    cluster = {"dashboard_url": f"http://{s.name}-head-svc:8265", "router_url": f"http://{s.name}-serve-svc:8000"}
-    return {**config, "batches": {**cluster, **b}}, mount
+def files_mount(config: dict) -> str | None:
+    """Where the Batch API's volume is mounted: where the app resolves `batches.dir` in the
+    image (None: unset, the API is off). The batch jobs run on the head and reach the router
+    through its own proxy (`batches.router_url`'s default), and Ray's job client in the batch
+    service follows `RAY_ADDRESS`, which KubeRay sets to its own cluster's head in every pod."""
+    folder = (config.get("batches") or {}).get("dir")
+    return posixpath.normpath(posixpath.join(f"{IMAGE_HOME}/deployments/configs", folder)) if folder else None
 
 
 def files_pvc(s: RenderSettings) -> dict:
     """The Batch API's files and batches: every router replica writes uploads, the batch service
-    and its jobs (on the head) read them, so every pod mounts it."""
+    and its jobs (on the head) read them, so every pod mounts it, and no pod starts until it is
+    bound: the storage class must offer ReadWriteMany."""
+    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}
+    if s.files_storage_class:
+        spec["storageClassName"] = s.files_storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": f"{s.name}-files", "labels": {"app.kubernetes.io/name": s.name}},
-            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}}
+            "metadata": {"name": f"{s.name}-files", "labels": {"app.kubernetes.io/name": s.name}}, "spec": spec}
 
 
 def rayservice(config: dict, s: RenderSettings) -> dict:
     from deployments.app import pool_app_name
 
-    config, files_at = batch_api(config, s)
+    files_at = files_mount(config)
     files = [] if files_at is None else [{"name": "files", "persistentVolumeClaim": {"claimName": f"{s.name}-files"}}]
     mounts = [] if files_at is None else [{"name": "files", "mountPath": files_at}]
 
@@ -279,7 +278,7 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
     def doc(obj: dict) -> str:
         return header + yaml.dump(obj, Dumper=_BlockDumper, sort_keys=False, width=120)
 
-    files = batch_api(config, s)[1] is not None
+    files = files_mount(config) is not None
     return {
         "rayservice.yaml": doc(rayservice(config, s)),
         "rayjob-batch.yaml": doc(rayjob(s, resolved)),
@@ -294,8 +293,12 @@ def render(config_path: str | Path, s: RenderSettings = RenderSettings()) -> dic
 
 
 def _cmd_render(a) -> int:
-    s = RenderSettings(name=a.name, image=a.image, operator_namespace=a.operator_namespace)
+    s = RenderSettings(name=a.name, image=a.image, operator_namespace=a.operator_namespace,
+                       files_storage_class=a.files_storage_class)
     files = render(a.config, s)
+    if a.files_storage_class and "files-pvc.yaml" not in files:
+        print("warning: --files-storage-class names the Batch API's volume, which only batches.dir turns on",
+              file=sys.stderr)
     out = Path(a.out)
     drift = []
     for rel, text in files.items():
@@ -323,5 +326,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--image", default=RenderSettings.image)
     r.add_argument("--operator-namespace", default=RenderSettings.operator_namespace,
                    help="the namespace KubeRay's operator runs in: the NetworkPolicy admits it from there only")
+    r.add_argument("--files-storage-class", default=None,
+                   help="the storage class of the Batch API's volume (with batches.dir): one that offers "
+                        "ReadWriteMany, or no pod starts")
     r.add_argument("--check", action="store_true", help="exit 1 if the files on disk differ")
     r.set_defaults(fn=_cmd_render)

@@ -23,6 +23,7 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 MARKER_GRACE_S = 600.0  # a marker naming no record is dropped only this long after it was made
 RESCAN_MARGIN_NS = 300 * 10**9  # a rescan reads again what changed this long before the last change it saw
 LOCK_WAIT_S = 30.0  # a create or a cancel waits this long for another service's turn, then is a 503
+HELD_GRACE_S = 3600.0  # how long past its window a batch waits for a job that holds its output
 _ID = re.compile(r"batch_[0-9a-f]{24}")
 _MOVING = ("validating", "in_progress", "finalizing", "cancelling")
 _SHAPE = {"id": str, "status": str, "_tenant": str, "input_file_id": str, "endpoint": str, "created_at": int,
@@ -43,6 +44,27 @@ def read_record(path: Path) -> dict | None:
             and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
         return None
     return record
+
+
+def output_held(path: Path) -> bool:
+    """Whether a job holds the output's lock (`deployments.batch_job.Output`): it still runs,
+    whatever its job API says (one of another cluster's during a RayService upgrade, which this
+    API does not know; one told to stop that has not yet exited). The probe is a shared lock on
+    a read-only descriptor (all NFS asks of one), held for an instant, which a job starting then
+    waits out. A volume whose locks fail holds nothing, as `BatchStore.exclusive` takes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, IsADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        log.warning("cannot probe %s for a job's lock (%s): taken as free", path, e)
+    finally:
+        os.close(fd)  # and with it the lock, if it was taken
+    return False
 
 
 def _record_and_whether_final(path: Path) -> tuple[dict | None, bool]:
@@ -85,6 +107,7 @@ class BatchStore:
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
         self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
         self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
+        self._held_told: set[str] = set()  # batches whose held output was logged
 
     def load(self, tenant: str, batch_id: str) -> dict:
         record = read_record(self._path(tenant, batch_id)) if _ID.fullmatch(batch_id) else None
@@ -112,6 +135,18 @@ class BatchStore:
 
     def output(self, record: dict) -> Path:
         return self.folder(record) / "output.jsonl"
+
+    def held(self, record: dict) -> bool:
+        """Whether a job its API does not know still writes the batch's output (`output_held`),
+        until HELD_GRACE_S past the batch's window: a lock no job releases (one an NFS server
+        keeps for a node that never came back) ends with the window."""
+        if not output_held(self.output(record)):
+            return False
+        if record["id"] not in self._held_told:
+            self._held_told.add(record["id"])
+            log.warning("batch %s: a job still holds its output, though its job API says it ended or knows it "
+                        "not; waiting for it", record["id"])
+        return self._clock() < record["expires_at"] + HELD_GRACE_S
 
     # -- the batches not finished -------------------------------------------------------
 

@@ -196,14 +196,9 @@ class Batches:
 
     def _validate(self, record: dict, key: str) -> None:
         path = self._files.content_path(record["_tenant"], record["input_file_id"], expired_ok=True)
-        lines = jsonl_lines(path.read_bytes(), errors="replace")
-        requests, problems = read_input(lines)
-        url = {v: k for k, v in ENDPOINTS.items()}
-        problems += [f"line {r.line}: url {url[r.endpoint]!r} differs from the batch's endpoint "
-                     f"{record['endpoint']!r}" for r in requests if url[r.endpoint] != record["endpoint"]]
-        if len(requests) > self._s.max_lines:
-            problems.append(f"the file holds {len(requests)} requests; a batch may hold {self._s.max_lines}")
-        record["request_counts"]["total"] = len(requests)
+        total, problems = _problems(jsonl_lines(path.read_bytes(), errors="replace"), record["endpoint"],
+                                    self._s.max_lines)
+        record["request_counts"]["total"] = total
         if problems:
             record["errors"] = {"object": "list", "data": [_line_error(str(p)) for p in problems[:100]]}
             self._finish(record, "failed")
@@ -230,7 +225,9 @@ class Batches:
         elif state == "SUCCEEDED":
             self._finalize(record, "completed")
         elif state in _STOPPED:
-            if record["_attempts"] < self._s.max_attempts:
+            if self._store.held(record):  # it runs on: submitted again, it would write twice
+                self._store.save(record)
+            elif record["_attempts"] < self._s.max_attempts:
                 log.warning("batch %s: job %s ended %s; submitting it again to resume", record["id"], job, state)
                 self._submit(record)
             else:
@@ -251,9 +248,10 @@ class Batches:
                    if j is not None and s not in ("SUCCEEDED", *_STOPPED)]
         for j in running:
             self._runner.stop(j)
-        if running:
+        if running or self._store.held(record):
             self._store.save(record)
-        return not running
+            return False
+        return True
 
     def _submit(self, record: dict) -> None:
         try:
@@ -314,6 +312,17 @@ class Batches:
         record[f"{status}_at"] = int(self._clock())
         self._store.save(record)
         self._store.tidy(record)
+
+
+def _problems(lines: list, endpoint: str, max_lines: int) -> tuple[int, list[str]]:
+    """How many requests a batch's input holds, and what is wrong with it."""
+    requests, problems = read_input(lines)
+    url = {v: k for k, v in ENDPOINTS.items()}
+    problems += [f"line {r.line}: url {url[r.endpoint]!r} differs from the batch's endpoint {endpoint!r}"
+                 for r in requests if url[r.endpoint] != endpoint]
+    if len(requests) > max_lines:
+        problems.append(f"the file holds {len(requests)} requests; a batch may hold {max_lines}")
+    return len(requests), problems
 
 
 def _public(record: dict) -> dict:

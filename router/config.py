@@ -153,7 +153,9 @@ class BatchesConfig(Frozen):
                                                      "http://127.0.0.1:<router.port>, the head node's own proxy).")
     dashboard_url: str = Field("http://127.0.0.1:8265", description=(
         "Ray's job API, where batches are submitted. Unset, `poolserve serve` takes the dashboard of the Ray it "
-        "starts (8265, or the first free port after it)."))
+        "starts (8265, or the first free port after it). Ray's job client takes `RAY_API_SERVER_ADDRESS` or "
+        "`RAY_ADDRESS` over it where either is set, as KubeRay sets the latter in every pod (its own cluster's "
+        "head)."))
     concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
     max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger files get 413 (the form around one is not "
                                                                 "counted).")

@@ -283,8 +283,30 @@ def test_the_output_is_held_by_one_job_and_readable_by_its_owner_only(tmp_path):
     os.chmod(out, 0o644)  # left readable by an older job
     first = Output(out)
     with pytest.raises(OutputBusy, match="another job is writing"):
-        Output(out)
+        Output(out, wait_s=0)
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
     first.write(result_line("a", 200, {}, None))
     first.close()
     Output(out).close()  # free again once the first job ended
+
+
+def test_a_job_waits_out_a_probe_of_its_output(tmp_path, monkeypatch):
+    """The batch service probes an output's lock for an instant to learn whether a job still
+    writes it (router.batch_records.output_held): a job starting then was refused as if another
+    job wrote its output, and lost an attempt."""
+    import fcntl
+    import os
+    import time
+
+    from deployments.batch_job import Output
+    from router.batch_records import output_held
+
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    probe = os.open(out, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    waits = []
+    monkeypatch.setattr(time, "sleep", lambda s: (waits.append(s), waits[1:] or os.close(probe)))  # probe ends
+    Output(out).close()
+    assert len(waits) == 1, "refused at the first try, taken at the next"
+    assert not output_held(out)

@@ -289,3 +289,78 @@ def test_a_batch_whose_input_was_deleted_stops_the_job_a_lost_answer_started(wor
     batches.poll()
     done = batches.get("acme", made["id"])
     assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "input_file_missing"
+
+
+def test_a_job_its_api_lost_is_not_run_again_while_it_still_writes(world):
+    """During a RayService upgrade the new cluster's batch service asks its own job API about a
+    job the old cluster runs: it answers 404, read as FAILED, and the batch was submitted again
+    while the old job still wrote its output; so was a cancelled one whose job had not yet exited."""
+    import fcntl
+    import os
+
+    clock, runner, service, files = world
+    batches = service()
+    b = batches.create("acme", "k", _upload(files, "acme", 10), "/v1/completions", "24h")
+    old = next(iter(runner.jobs))
+    runner.answer(old, 3)
+    output = runner.jobs[old]["output"]
+    held = os.open(output, os.O_WRONLY | os.O_APPEND)  # the job, on another cluster
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    del runner.jobs[old]  # this cluster's API does not know it
+    batches.poll()
+    batches.poll()
+    assert runner.jobs == {} and batches.get("acme", b["id"])["status"] == "in_progress"
+    batches.cancel("acme", b["id"])
+    batches.poll()
+    assert batches.get("acme", b["id"])["status"] == "cancelling", "its job still writes"
+    os.close(held)  # it ended (its cluster was deleted)
+    batches.poll()
+    b = batches.get("acme", b["id"])
+    assert b["status"] == "cancelled" and b["request_counts"]["completed"] == 3 and runner.jobs == {}
+
+
+def test_a_lock_no_job_releases_ends_with_the_window_and_a_volume_without_locks_holds_none(world, monkeypatch):
+    """A held output had no bound: a lock an NFS server keeps for a node that never came back
+    kept the batch in progress for ever; and on NFSv4 the probe's exclusive lock on a read-only
+    descriptor failed (EBADF), which stopped every batch whose job had ended (found by a review)."""
+    import errno
+    import fcntl
+    import os
+
+    from router.batch_records import HELD_GRACE_S, output_held
+
+    clock, runner, service, files = world
+    batches = service()
+    b = batches.create("acme", "k", _upload(files, "acme", 10), "/v1/completions", "24h")
+    job = next(iter(runner.jobs))
+    runner.answer(job, 2)
+    output = runner.jobs.pop(job)["output"]
+    held = os.open(output, os.O_WRONLY | os.O_APPEND)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    clock.now = b["expires_at"] + HELD_GRACE_S - 1
+    batches.poll()
+    assert batches.get("acme", b["id"])["status"] == "in_progress" and runner.jobs == {}
+    clock.now += 1
+    batches.poll()
+    b = batches.get("acme", b["id"])
+    assert b["status"] == "expired" and b["request_counts"] == {"total": 10, "completed": 2, "failed": 8}
+    os.close(held)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("")
+    flock, locks = fcntl.flock, {"on": True}
+
+    def nfs(fd, how):  # NFSv4 emulates flock with POSIX locks: an exclusive one needs a descriptor open for writing
+        if not locks["on"]:
+            raise OSError(errno.ENOLCK, "No locks available")
+        if how & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return flock(fd, how)
+    monkeypatch.setattr(fcntl, "flock", nfs)
+    job = os.open(output, os.O_WRONLY | os.O_APPEND)
+    nfs(job, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert output_held(output) is True
+    os.close(job)
+    assert output_held(output) is False
+    locks["on"] = False
+    assert output_held(output) is False, "a volume without locks holds nothing"

@@ -313,37 +313,30 @@ def _files_mounts(service: dict) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_batch_api_is_on_a_volume_every_pod_mounts_and_reaches_the_clusters_services():
-    """The Batch API was off in the manifests: its files must be on one volume that every pod
+def test_the_batch_api_is_on_a_volume_every_pod_mounts_when_the_config_turns_it_on(tmp_path):
+    """The Batch API could not run on KubeRay: its files must be on one volume that every pod
     mounts (any router replica takes uploads; the batch service and its jobs, on the head, read
-    them), and its jobs' API and router are not at 127.0.0.1 there."""
-    serve_config = yaml.safe_load(_service()["spec"]["serveConfigV2"])
-    for app in serve_config["applications"]:
-        config = parse(app["args"]["config"], "serveConfigV2")
-        resolved = resolve(config, Path(app["args"]["base_dir"].replace("/home/ray/poolserve", str(REPO))))
-        assert (config.batches.dashboard_url, config.batches.router_url) == (
-            "http://poolserve-head-svc:8265", "http://poolserve-serve-svc:8000")
-        assert set(_files_mounts(_service())) == {("poolserve-files", str(resolved.batches_dir))}
-    pvc = yaml.safe_load((K8S / "files-pvc.yaml").read_text().split("\n", 1)[1])
-    assert pvc["metadata"]["name"] == "poolserve-files" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    assert "files-pvc.yaml" in yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-
-
-def test_the_batch_api_follows_the_config_and_is_off_without_its_dir(tmp_path):
+    them). No pod starts until that volume is bound, so the shipped config leaves it off."""
     from deployments.k8s import RenderSettings
 
     config = yaml.safe_load(CONFIG.read_text())
-    config["batches"] = {"dir": "../../files", "dashboard_url": "http://jobs.example:8265"}
-    path = tmp_path / "k8s.yaml"
-    path.write_text(yaml.safe_dump(config))
-    files = render(path, RenderSettings(name="ps"))
-    service = yaml.safe_load(files["rayservice.yaml"].split("\n", 1)[1])
-    assert set(_files_mounts(service)) == {("ps-files", "/home/ray/poolserve/files")}  # where the app resolves it
-    batches = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]["batches"]
-    assert (batches["dashboard_url"], batches["router_url"]) == ("http://jobs.example:8265", "http://ps-serve-svc:8000")
-    del config["batches"]
-    path.write_text(yaml.safe_dump(config))
-    files = render(path, RenderSettings(name="ps"))
-    service = yaml.safe_load(files["rayservice.yaml"].split("\n", 1)[1])
-    assert not [v for pod in _pods(service) for v in pod["spec"]["volumes"] if v["name"] == "files"]
-    assert "files-pvc.yaml" not in files and "files-pvc.yaml" not in files["kustomization.yaml"]
+    assert "batches" not in config and not [v for pod in _pods(_service()) for v in pod["spec"]["volumes"]
+                                            if v["name"] == "files"]
+    for folder, mounted in (("/var/lib/poolserve/batches", "/var/lib/poolserve/batches"),
+                            ("../../files", "/home/ray/poolserve/files")):  # where the app resolves it
+        config["batches"] = {"dir": folder}
+        path = tmp_path / "k8s.yaml"
+        path.write_text(yaml.safe_dump(config))
+        files = render(path, RenderSettings(name="ps", files_storage_class="cephfs"))
+        service = yaml.safe_load(files["rayservice.yaml"].split("\n", 1)[1])
+        jsonschema.validate(service, crd_schema("RayService"), cls=jsonschema.Draft7Validator)
+        assert set(_files_mounts(service)) == {("ps-files", mounted)}
+        app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert app["config"]["batches"] == {"dir": folder}  # the jobs reach the router on the head, where they run
+        resolved = resolve(parse(app["config"], "serveConfigV2"), Path(app["base_dir"]))
+        assert __import__("posixpath").normpath(resolved.batches_dir) == mounted
+        pvc = yaml.safe_load(files["files-pvc.yaml"].split("\n", 1)[1])
+        assert pvc["metadata"]["name"] == "ps-files" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert pvc["spec"]["storageClassName"] == "cephfs"
+        assert "files-pvc.yaml" in yaml.safe_load(files["kustomization.yaml"].split("\n", 1)[1])["resources"]
+    assert "files-pvc.yaml" not in render(CONFIG) and "files-pvc" not in render(CONFIG)["kustomization.yaml"]
