@@ -47,26 +47,44 @@ def _client(address: str):
 
 
 class RayJobRunner:
-    """`router.batches.JobRunner` on Ray's job API: the Batch API's batches as Ray jobs."""
+    """`router.batches.JobRunner` on Ray's job API: the Batch API's batches as Ray jobs. One
+    client while the API answers: making one asks the API its version, and where `RAY_ADDRESS`
+    is set (every KubeRay pod) the GCS where the API is, which at every poll was two calls more
+    per batch. A call that fails otherwise than with Ray's answer makes the next one anew (the
+    head may have restarted elsewhere)."""
+
+    _jobs = None  # the client; calls come one at a time (the batch service's turn). A class default:
+    # a runner pickled by a version before this one (a replica restarted on new code) has none
 
     def __init__(self, address: str) -> None:
         self._address = address
 
-    def submit(self, name: str, args: list[str]) -> str:
-        client = _client(self._address)
+    def _call(self, method: str, *args, **kwargs):
+        if self._jobs is None:
+            self._jobs = _client(self._address)
         try:
-            return client.submit_job(entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job", *args]),
-                                     submission_id=name, metadata={"poolserve": "batch-api"})
+            return getattr(self._jobs, method)(*args, **kwargs)
+        except RuntimeError:  # Ray's job API answered (a 404, a refused name...)
+            raise
+        except Exception:
+            self._jobs = None
+            raise
+
+    def submit(self, name: str, args: list[str]) -> str:
+        try:
+            return self._call("submit_job", entrypoint=shlex.join([sys.executable, "-m", "deployments.batch_job",
+                                                                    *args]),
+                              submission_id=name, metadata={"poolserve": "batch-api"})
         except RuntimeError:
             try:  # submitted before a crash kept the batch's record from saying so: Ray refuses a second one
-                return client.get_job_info(name).submission_id
+                return self._call("get_job_info", name).submission_id
             except RuntimeError:
                 pass
             raise
 
     def status(self, job_id: str) -> str:
         try:
-            return _client(self._address).get_job_status(job_id).value
+            return self._call("get_job_status", job_id).value
         except RuntimeError as e:
             if _lost(e):  # ended without a result: the batch resumes it in a new job
                 return "FAILED"
@@ -74,14 +92,14 @@ class RayJobRunner:
 
     def stop(self, job_id: str) -> None:
         try:
-            _client(self._address).stop_job(job_id)
+            self._call("stop_job", job_id)
         except RuntimeError as e:
             if not _lost(e):
                 raise
 
     def logs(self, job_id: str) -> str:
         try:
-            return _client(self._address).get_job_logs(job_id)
+            return self._call("get_job_logs", job_id)
         except RuntimeError as e:
             if _lost(e):  # else the batch whose last attempt Ray lost could not fail: it waited out its window
                 return f"(Ray no longer knows job {job_id}: its logs are lost)"

@@ -214,7 +214,35 @@ def test_a_job_ray_no_longer_knows_ends_failed_and_stopping_it_is_done(monkeypat
     assert "no longer knows" in runner.logs("poolserve-batch_1-1")  # its batch's last attempt can fail
     monkeypatch.setattr(batch_cli, "_client", lambda address: Down())
     with pytest.raises(RuntimeError, match="503"):  # not knowing is not "gone": the poll asks again
-        runner.status("poolserve-batch_1-1")
+        batch_cli.RayJobRunner("http://head:8265").status("poolserve-batch_1-1")
+
+
+def test_the_job_runner_keeps_its_client_while_the_job_api_answers(monkeypatch):
+    """A client was made for every call: each asked the job API its version first, and on
+    KubeRay (RAY_ADDRESS set) the GCS where the API is, two calls more per batch at every poll."""
+    from types import SimpleNamespace
+
+    from deployments import batch_cli
+
+    made, answers = [], iter([SimpleNamespace(value="RUNNING"), ConnectionError("head restarted"),
+                              SimpleNamespace(value="SUCCEEDED")])
+
+    class Jobs:
+        def get_job_status(self, job_id):
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+    monkeypatch.setattr(batch_cli, "_client", lambda address: made.append(address) or Jobs())
+    runner = batch_cli.RayJobRunner("http://head:8265")
+    assert runner.status("j") == "RUNNING" and len(made) == 1
+    with pytest.raises(ConnectionError):
+        runner.status("j")
+    assert runner.status("j") == "SUCCEEDED" and len(made) == 2, "made anew after a failure"
+    older = batch_cli.RayJobRunner.__new__(batch_cli.RayJobRunner)
+    older.__dict__.update(_address="http://head:8265")  # as a version before pickled it
+    answers = iter([SimpleNamespace(value="RUNNING")])
+    assert older.status("j") == "RUNNING"
 
 
 @pytest.mark.parametrize("known", [False, True], ids=["new", "submitted before"])
