@@ -32,11 +32,11 @@ _OPTIONAL = ("_job", "output_file_id", "error_file_id")  # ... and these, which 
 
 
 def read_record(path: Path) -> dict | None:
-    """A batch's record, or None: unreadable, or of a shape this service cannot move on
-    (another version's, damaged)."""
+    """A batch's record, or None: none there, torn, or of a shape this service cannot move on
+    (another version's, damaged). A volume that fails raises: a batch it hides is no 404."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (FileNotFoundError, IsADirectoryError, ValueError):
         return None
     if not (isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _SHAPE.items())
             and all(k in record and isinstance(record[k], (str, type(None))) for k in _OPTIONAL)
@@ -175,7 +175,12 @@ class BatchStore:
         record is dropped once another service's create can no longer be writing it."""
         for marker in self._root.glob("*/batches/open/batch_*") if self._root.is_dir() else ():
             path = marker.parent.parent / f"{marker.name}.json"
-            if (record := read_record(path)) is None:
+            try:
+                record = read_record(path)
+            except OSError as e:  # the volume's: this batch waits for a later poll, the others move on
+                log.warning("batch record %s cannot be read now (%s)", path, e)
+                continue
+            if record is None:
                 if not path.exists() and _marked_at(marker) < self._clock() - MARKER_GRACE_S:
                     marker.unlink(missing_ok=True)
                 elif path.exists():
@@ -210,7 +215,11 @@ class BatchStore:
                     if changed < since:
                         continue
                     latest = max(latest, changed)
-                    if (record := read_record(Path(entry.path))) is None:
+                    try:
+                        record = read_record(Path(entry.path))
+                    except OSError:  # the volume's: as unreadable (the others are marked meanwhile)
+                        record = None
+                    if record is None:
                         self._cannot_read(Path(entry.path))
                     elif record["status"] not in TERMINAL and not self._marker(tenant := record["_tenant"],
                                                                                 record["id"]).exists():

@@ -225,7 +225,10 @@ class Batches:
         elif state == "SUCCEEDED":
             self._finalize(record, "completed")
         elif state in _STOPPED:
-            if self._store.held(record):  # it runs on: submitted again, it would write twice
+            counts = record["request_counts"]
+            if counts["completed"] + counts["failed"] >= counts["total"]:  # every line answered: a job of
+                self._finalize(record, "completed")  # another cluster's API (an upgrade) that ended is no failure
+            elif self._store.held(record):  # it runs on: submitted again, it would write twice
                 self._store.save(record)
             elif record["_attempts"] < self._s.max_attempts:
                 log.warning("batch %s: job %s ended %s; submitting it again to resume", record["id"], job, state)

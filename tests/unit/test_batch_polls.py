@@ -364,3 +364,24 @@ def test_a_lock_no_job_releases_ends_with_the_window_and_a_volume_without_locks_
     assert output_held(output) is False
     locks["on"] = False
     assert output_held(output) is False, "a volume without locks holds nothing"
+
+
+def test_a_job_that_ends_during_an_upgrade_completes_its_batch(tmp_path):
+    """Two clusters' services share the folder during a RayService upgrade, each asking its own
+    job API: a job that answered every line and ended was unknown to the other's (read as
+    failed), submitted again there, then here, and the batch failed at max_attempts with every
+    line answered (found by a review)."""
+    from router.batches import Batches, BatchSettings
+    from router.files import FileStore
+    from tests.unit.test_batches import Clock, FakeRunner
+
+    clock, old, new = Clock(), FakeRunner(), FakeRunner()
+    settings = BatchSettings(tmp_path, "http://router:8000", "offline", max_attempts=3, max_lines=100)
+    a, b = (Batches(settings, FileStore(tmp_path, clock), runner, clock) for runner in (old, new))
+    made = a.create("acme", "k", _upload(FileStore(tmp_path, clock), "acme", 5), "/v1/completions", "24h")
+    old.answer(next(iter(old.jobs)), then="SUCCEEDED")
+    for service in (b, a, b):
+        service.poll()
+    done = b.get("acme", made["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert new.jobs == {} and len(old.jobs) == 1

@@ -211,3 +211,22 @@ async def test_a_volume_that_fails_is_no_missing_file_and_no_restarting_service(
     finally:
         await service.close()
     assert full["error"][:2] == [507, "storage_full"] and "No space" in full["error"][2]
+
+
+def test_a_batch_record_the_volume_cannot_read_is_no_missing_batch(world, monkeypatch):
+    """Its get and cancel were a 404 and its list left it out, so a client took the batch for
+    gone; now they are 503, and a poll moves the other batches on meanwhile (found by a review)."""
+    clock, runner, service, files = world
+    batches = service()
+    hidden, other = (batches.create("acme", "k", _upload(files, "acme", 2), "/v1/completions", "24h")
+                     for _ in range(2))
+    runner.answer(list(runner.jobs)[1], then="SUCCEEDED")
+    _volume_fails(monkeypatch, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{hidden['id']}.json")
+    for call in (lambda: batches.get("acme", hidden["id"]), lambda: batches.cancel("acme", hidden["id"]),
+                 lambda: batches.list("acme")):
+        with pytest.raises(OSError):  # which the batch service answers 503 storage_unavailable (test above)
+            call()
+    batches.poll()
+    assert batches.get("acme", other["id"])["status"] == "completed"
+    monkeypatch.undo()
+    assert batches.get("acme", hidden["id"])["status"] == "in_progress"
