@@ -177,13 +177,14 @@ class BatchStore:
             path = marker.parent.parent / f"{marker.name}.json"
             try:
                 record = read_record(path)
-            except OSError as e:  # the volume's: this batch waits for a later poll, the others move on
-                log.warning("batch record %s cannot be read now (%s)", path, e)
+                there = record is not None or path.exists()
+            except OSError:  # the volume's: this batch waits for a later poll, the others move on
+                self._cannot_read(path)
                 continue
             if record is None:
-                if not path.exists() and _marked_at(marker) < self._clock() - MARKER_GRACE_S:
+                if not there and _marked_at(marker) < self._clock() - MARKER_GRACE_S:
                     marker.unlink(missing_ok=True)
-                elif path.exists():
+                elif there:
                     self._cannot_read(path)
             elif record["status"] in TERMINAL:  # a service died while tidying it
                 self.tidy(record)
@@ -217,7 +218,7 @@ class BatchStore:
                     latest = max(latest, changed)
                     try:
                         record = read_record(Path(entry.path))
-                    except OSError:  # the volume's: as unreadable (the others are marked meanwhile)
+                    except OSError:  # the volume's: logged as unreadable, once
                         record = None
                     if record is None:
                         self._cannot_read(Path(entry.path))

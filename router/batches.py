@@ -225,9 +225,8 @@ class Batches:
         elif state == "SUCCEEDED":
             self._finalize(record, "completed")
         elif state in _STOPPED:
-            counts = record["request_counts"]
-            if counts["completed"] + counts["failed"] >= counts["total"]:  # every line answered: a job of
-                self._finalize(record, "completed")  # another cluster's API (an upgrade) that ended is no failure
+            if _all_answered(record, self._store.output(record), lambda: self._requests(record)):  # (an upgrade)
+                self._finalize(record, "completed")
             elif self._store.held(record):  # it runs on: submitted again, it would write twice
                 self._store.save(record)
             elif record["_attempts"] < self._s.max_attempts:
@@ -315,6 +314,18 @@ class Batches:
         record[f"{status}_at"] = int(self._clock())
         self._store.save(record)
         self._store.tidy(record)
+
+
+def _all_answered(record: dict, output: Path, requests: Callable[[], list]) -> bool:
+    """Whether every request of the batch has its line in the output, though its job is read as
+    ended (a job of another cluster's job API, during an upgrade): no failure then. The counts
+    first (rows, which two jobs writing at once, where locks do not reach across nodes, can
+    duplicate), then the ids themselves."""
+    counts = record["request_counts"]
+    if counts["completed"] + counts["failed"] < counts["total"]:
+        return False
+    seen = {row["custom_id"] for row, _ in output_rows(output) if row is not None}
+    return all(r.custom_id in seen for r in requests())
 
 
 def _problems(lines: list, endpoint: str, max_lines: int) -> tuple[int, list[str]]:

@@ -385,3 +385,10 @@ def test_a_job_that_ends_during_an_upgrade_completes_its_batch(tmp_path):
     done = b.get("acme", made["id"])
     assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     assert new.jobs == {} and len(old.jobs) == 1
+    twice = a.create("acme", "k", _upload(FileStore(tmp_path, clock), "acme", 5), "/v1/completions", "24h")
+    job = list(old.jobs)[-1]
+    old.answer(job, 3)  # with another job that wrote two of them again, where locks did not exclude:
+    old.jobs[job]["output"].write_text(old.jobs[job]["output"].read_text() * 2, encoding="utf-8")
+    old.jobs[job]["state"] = "FAILED"  # 6 rows for 5 requests, 2 of which never ran
+    a.poll()
+    assert a.get("acme", twice["id"])["status"] == "in_progress" and len(old.jobs) == 3, "run again, not completed"

@@ -221,9 +221,11 @@ def test_a_batch_record_the_volume_cannot_read_is_no_missing_batch(world, monkey
     hidden, other = (batches.create("acme", "k", _upload(files, "acme", 2), "/v1/completions", "24h")
                      for _ in range(2))
     runner.answer(list(runner.jobs)[1], then="SUCCEEDED")
+    fid = _upload(files, "acme", 2)
     _volume_fails(monkeypatch, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{hidden['id']}.json")
     for call in (lambda: batches.get("acme", hidden["id"]), lambda: batches.cancel("acme", hidden["id"]),
-                 lambda: batches.list("acme")):
+                 lambda: batches.list("acme"),  # and a create, whose count of unfinished batches cannot be made:
+                 lambda: batches.create("acme", "k", fid, "/v1/completions", "24h")):
         with pytest.raises(OSError):  # which the batch service answers 503 storage_unavailable (test above)
             call()
     batches.poll()
