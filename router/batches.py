@@ -136,7 +136,7 @@ class Batches:
 
     def list(self, tenant: str, limit: int = 20, after: str | None = None) -> dict:
         records = sorted(self._store.records(tenant), key=lambda r: (-r["created_at"], r["id"]))
-        return page([_public(r) for r in records], limit, after)
+        return page([_public(r) for r in records], limit, after, "batch")
 
     def cancel(self, tenant: str, batch_id: str, wait_s: float | None = None) -> dict:
         with self._store.exclusive(wait_s) as mine:

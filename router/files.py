@@ -262,11 +262,16 @@ def write_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def page(items: list[dict], limit: int, after: str | None) -> dict:
-    """An OpenAI list page: items after the one with id `after`, at most `limit`."""
+def page(items: list[dict], limit: int, after: str | None, noun: str = "file") -> dict:
+    """An OpenAI list page: items after the one with id `after`, at most `limit`. An `after`
+    that names none of them (deleted or expired since the page before) is a 400: an empty page
+    would end the client's paging as if nothing came after it."""
     if after is not None:
         ids = [i["id"] for i in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
+        if after not in ids:
+            raise ApiError(400, "invalid_value", f"after: no {noun} {after!r} in this list (deleted or expired since "
+                                                 "the page before, or never yours): list again without after", "after")
+        items = items[ids.index(after) + 1:]
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
