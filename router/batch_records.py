@@ -104,6 +104,9 @@ class BatchStore:
     def __init__(self, root: Path, clock: Callable[[], float]) -> None:
         self._root, self._clock = root, clock
         self._unreadable: set[Path] = set()  # logged once each
+        # tenants with a record the last poll could not read: its input is unknown, so none of
+        # their files is swept (a job run again reads its input)
+        self.unread_tenants: set[Path] = set()
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
         self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
         self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
@@ -173,6 +176,7 @@ class BatchStore:
         """The records of every batch not finished, as their markers name them. A marker whose
         batch ended (in a service that died before tidying it) is tidied, and one naming no
         record is dropped once another service's create can no longer be writing it."""
+        self.unread_tenants = set()
         for marker in self._root.glob("*/batches/open/batch_*") if self._root.is_dir() else ():
             path = marker.parent.parent / f"{marker.name}.json"
             try:
@@ -265,6 +269,7 @@ class BatchStore:
         self._counted = {k: v for k, v in self._counted.items() if k in ids}
 
     def _cannot_read(self, path: Path) -> None:
+        self.unread_tenants.add(path.parent.parent)  # <tenant>/batches/<id>.json
         if path not in self._unreadable:
             log.warning("batch record %s cannot be read; it is left as it is", path)
             self._unreadable.add(path)

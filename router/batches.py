@@ -180,7 +180,7 @@ class Batches:
         if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
             self._store.mark_unfinished()  # a replica of the version before may still create batches
             try:
-                self._files.sweep(keep=reading)
+                self._files.sweep(keep=reading, keep_tenants=self._store.unread_tenants)
                 self._swept_at = self._clock()
             except OSError:  # a shared volume's hiccup: the next poll sweeps again
                 log.exception("could not remove expired files")

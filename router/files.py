@@ -131,10 +131,13 @@ class FileStore:
         self._remove(self._dir(tenant), file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def sweep(self, keep: set[Path] = frozenset()) -> None:
-        """Remove every tenant's expired files but those whose content path is in `keep`, and
-        what a crash left (older than ORPHAN_GRACE_S: no write can still be under way)."""
+    def sweep(self, keep: set[Path] = frozenset(), keep_tenants: set[Path] = frozenset()) -> None:
+        """Remove every tenant's expired files but those whose content path is in `keep` and
+        those of the tenant folders in `keep_tenants`, and what a crash left (older than
+        ORPHAN_GRACE_S: no write can still be under way)."""
         for folder in self._root.glob("*/files") if self._root.is_dir() else ():
+            if folder.parent in keep_tenants:
+                continue
             for path in folder.glob("file-*.json"):
                 try:
                     meta = _read_meta(path)

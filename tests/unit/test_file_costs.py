@@ -18,6 +18,7 @@ import pytest
 from router.batch_api import BatchApi
 from router.batch_service import BatchService
 from router.batches import Batches, BatchSettings
+from router.errors import ApiError
 from router.files import ORPHAN_GRACE_S, FileStore, ReadOnce, write_whole
 from tests.unit.test_batch_polls import _reads_of
 from tests.unit.test_batch_uploads import app_with
@@ -232,3 +233,24 @@ def test_a_batch_record_the_volume_cannot_read_is_no_missing_batch(world, monkey
     assert batches.get("acme", other["id"])["status"] == "completed"
     monkeypatch.undo()
     assert batches.get("acme", hidden["id"])["status"] == "in_progress"
+
+
+def test_the_files_of_a_tenant_whose_batch_record_cannot_be_read_are_not_swept(world, monkeypatch):
+    """A poll passed over the unreadable record, so its input was not among those kept, and the
+    sweep removed it once expired: a job run again once the volume came back found no input
+    (found by a review)."""
+    clock, runner, service, files = world
+    batches = service()
+    fid = files.create("acme", "in.jsonl", "batch", _file(2), expires_after_s=3600)["id"]
+    other = files.create("beta", "old.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"]
+    hidden = batches.create("acme", "k", fid, "/v1/completions", "24h")
+    clock.now += 7200
+    with monkeypatch.context() as m:
+        _volume_fails(m, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{hidden['id']}.json")
+        batches.poll()
+    assert files.content_path("acme", fid, expired_ok=True).exists(), "the unread batch's input was swept"
+    with pytest.raises(ApiError):
+        files.get("beta", other, expired_ok=True)  # another tenant's expired file went, as before
+    runner.answer(next(iter(runner.jobs)), n=2, then="SUCCEEDED")
+    batches.poll()
+    assert batches.get("acme", hidden["id"])["status"] == "completed"
