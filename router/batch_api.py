@@ -156,7 +156,8 @@ class BatchApi:
     async def list_files(self, request: Request) -> Response:
         q = request.query_params
         return await self._run(request, lambda t: asyncio.to_thread(
-            self._files.list, t.name, q.get("purpose"), _limit(q.get("limit"), 10000), q.get("after")))
+            self._files.list, t.name, q.get("purpose"), _limit(q.get("limit"), 10000), q.get("after") or None,
+            q.get("order", "desc")))
 
     async def get_file(self, request: Request, file_id: str) -> Response:
         return await self._run(request, lambda t: asyncio.to_thread(self._files.get, t.name, file_id))

@@ -71,9 +71,9 @@ class FileStore:
             raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
         folder = self._dir(tenant)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        file_id = f"file-{uuid.uuid4().hex[:24]}"
-        write_whole(folder / file_id, content)
         now = int(self._clock())
+        file_id = new_file_id(now)
+        write_whole(folder / file_id, content)
         meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": now, "filename": filename,
                 "purpose": purpose, "status": "processed", "status_details": None,
                 "expires_at": None if expires_after_s is None else now + expires_after_s}
@@ -112,7 +112,10 @@ class FileStore:
             files += not entry.name.startswith(".")
         return files, stored
 
-    def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None) -> dict:
+    def list(self, tenant: str, purpose: str | None = None, limit: int = 10000, after: str | None = None,
+             order: str = "desc") -> dict:
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "invalid_value", f"order {order!r}: use 'asc' or 'desc' (by created_at)", "order")
         folder = self._dir(tenant)
         try:
             names = os.listdir(folder)
@@ -121,9 +124,19 @@ class FileStore:
         now = self._clock()
         objects = self._objects.read(folder, [n for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])],
                                      lambda path: (_read_meta(path), True))
+        sign = -1 if order == "desc" else 1
+
+        def key(m: dict) -> tuple[int, str]:
+            return sign * m["created_at"], m["id"]
+
+        def place(file_id: str) -> tuple[int, str] | None:  # a cursor gone from the list: expired, or deleted
+            at = next((m["created_at"] for m in objects if m["id"] == file_id), None)
+            at = created_at_of(file_id) if at is None else at
+            return None if at is None else (sign * at, file_id)
+
         metas = sorted((m for m in objects if (purpose is None or m["purpose"] == purpose) and not _expired(m, now)),
-                       key=lambda m: (-m["created_at"], m["id"]))
-        listed = page(metas, limit, after)
+                       key=key)
+        listed = page(metas, limit, after, "file", key, place)
         return {**listed, "data": [dict(m) for m in listed["data"]]}  # the kept ones stay as read
 
     def delete(self, tenant: str, file_id: str) -> dict:
@@ -265,16 +278,37 @@ def write_whole(path: Path, data: bytes) -> None:
         raise
 
 
-def page(items: list[dict], limit: int, after: str | None, noun: str = "file") -> dict:
-    """An OpenAI list page: items after the one with id `after`, at most `limit`. An `after`
-    that names none of them (deleted or expired since the page before) is a 400: an empty page
-    would end the client's paging as if nothing came after it."""
-    if after is not None:
+def new_file_id(created_at: int) -> str:
+    """`file-` and 24 hex digits, as ever: its creation second, then random ones around a 7 in
+    the 13th place (a uuid4 has a 4 there, and made the ids before), so that a list page `after`
+    a file deleted since the page before still starts where it would have."""
+    r = uuid.uuid4().hex
+    return f"file-{min(max(created_at, 0), 0xFFFFFFFF):08x}{r[:4]}7{r[4:15]}"
+
+
+def created_at_of(file_id: str) -> int | None:
+    """The creation second an id of `new_file_id`'s holds; None for an id made before."""
+    digits = file_id[5:]
+    return int(digits[:8], 16) if _ID.fullmatch(file_id) and digits[12] == "7" else None
+
+
+def page(items: list[dict], limit: int, after: str | None, noun: str,
+         key: Callable[[dict], Any] | None = None, place: Callable[[str], Any] | None = None) -> dict:
+    """An OpenAI list page: `items` (in the list's order, by `key`) after the one with id
+    `after`, at most `limit`. An `after` no longer among them (deleted or expired since the page
+    before: a client deleting what it pages through removes its own cursor) is placed by
+    `place`, its key; one that cannot be placed is a 400, where an empty page would end the
+    client's paging as if nothing came after it."""
+    if after:
         ids = [i["id"] for i in items]
-        if after not in ids:
-            raise ApiError(400, "invalid_value", f"after: no {noun} {after!r} in this list (deleted or expired since "
-                                                 "the page before, or never yours): list again without after", "after")
-        items = items[ids.index(after) + 1:]
+        if after in ids:
+            items = items[ids.index(after) + 1:]
+        elif key is not None and place is not None and (at := place(after)) is not None:
+            items = [i for i in items if key(i) > at]
+        else:
+            raise ApiError(400, "invalid_value", f"after: no {noun} {after!r} in this list (made before this version "
+                                                 "and gone since the page before, or never yours): list again "
+                                                 "without after", "after")
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}

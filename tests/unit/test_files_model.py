@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import random
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -52,7 +54,7 @@ class World:
 
     # -- steps --------------------------------------------------------------------
 
-    def create(self) -> None:
+    def create(self, _cursor: str | None = None) -> None:
         tenant, purpose = self.rng.choice(TENANTS), self.rng.choice(PURPOSES[1:])
         expiry = self.rng.choice((None, 3600, 7200))
         size = self.rng.randrange(0, 50)
@@ -61,7 +63,7 @@ class World:
         now = int(self.clock.now)
         self.files[meta["id"]] = Kept(tenant, purpose, size, now, None if expiry is None else now + expiry)
 
-    def delete(self) -> None:
+    def delete(self, _cursor: str | None = None) -> None:
         if not self.files:
             return
         file_id = self.rng.choice(sorted(self.files))
@@ -74,7 +76,7 @@ class World:
         assert file_id in self.visible(k.tenant), f"{file_id} was deleted while expired"
         del self.files[file_id]
 
-    def crash(self) -> None:
+    def crash(self, _cursor: str | None = None) -> None:
         """A router died mid-upload: a temp file, or a content whose object was never written."""
         tenant = self.rng.choice(TENANTS)
         folder = self.replicas[0]._dir(tenant)
@@ -85,7 +87,7 @@ class World:
         os.utime(path, (self.clock.now, self.clock.now))
         self.halves[path] = (tenant, self.clock.now, size)
 
-    def sweep(self) -> None:
+    def sweep(self, _cursor: str | None = None) -> None:
         keep = {self.replicas[0].path(k.tenant, i) for i, k in self.files.items() if self.rng.random() < 0.3}
         self.store().sweep(keep=keep)
         now = self.clock.now
@@ -94,31 +96,35 @@ class World:
                 del self.files[i]
         self.halves = {p: h for p, h in self.halves.items() if h[1] >= now - ORPHAN_GRACE_S}
 
-    def wait(self) -> None:
+    def wait(self, _cursor: str | None = None) -> None:
         self.clock.now += self.rng.choice((0.4, 1, 5, 900, 3600))
 
     def page_through(self) -> None:
-        """Every page of one list, with another client's deletes and uploads between pages."""
+        """Every page of one list, in either order, with other clients' deletes (of the page's
+        last file too, as a client deleting what it pages through does), uploads, expiries and
+        sweeps between pages."""
         tenant, purpose, limit = self.rng.choice(TENANTS), self.rng.choice(PURPOSES), self.rng.randrange(1, 5)
-        throughout, seen, after, restarts = set(self.visible(tenant, purpose)), [], None, 0
+        order = self.rng.choice(("asc", "desc"))
+        throughout, seen, after = set(self.visible(tenant, purpose)), [], None
         while True:
-            try:
-                got = self.store().list(tenant, purpose, limit, after)
-            except ApiError as e:  # the page's cursor was deleted: visible, so the client lists again
-                assert e.status == 400 and e.param == "after" and after not in self.visible(tenant, purpose), e
-                restarts += 1
-                assert restarts < 50, "paging never ends"
-                seen, after = [], None
-                continue
+            got = self.store().list(tenant, purpose, limit, after, order)
             seen += [f["id"] for f in got["data"]]
             if not got["has_more"]:
                 break
             after = got["last_id"]
             for _ in range(self.rng.randrange(0, 3)):
-                self.rng.choice((self.delete, self.create))()
+                self.rng.choice((self.delete, self.create, self.wait, self.sweep, self.delete_cursor))(after)
             throughout &= set(self.visible(tenant, purpose))
         assert len(seen) == len(set(seen)), f"a file on two pages: {seen}"
         assert throughout <= set(seen), f"kept all along, on no page: {sorted(throughout - set(seen))}"
+        keys = [((-1 if order == "desc" else 1) * self.files[i].created_at, i) for i in seen if i in self.files]
+        assert keys == sorted(keys), f"out of {order} order: {keys}"
+
+    def delete_cursor(self, file_id: str) -> None:
+        k = self.files.get(file_id)
+        if k is not None and file_id in self.visible(k.tenant):
+            self.store().delete(k.tenant, file_id)
+            del self.files[file_id]
 
     # -- what every replica answers ----------------------------------------------------
 
@@ -150,10 +156,11 @@ class World:
                     assert e.status == 404
 
 
-def test_the_file_store_answers_as_its_model_does(tmp_path):
+def test_the_file_store_answers_as_its_model_does(tmp_path, monkeypatch):
     for seed in schedules(30):
         with replayable("test_the_file_store_answers_as_its_model_does", seed):
             rng = random.Random(seed)
+            monkeypatch.setattr("router.files.uuid", SimpleNamespace(uuid4=lambda: uuid.UUID(int=rng.getrandbits(128))))
             world = World(tmp_path / str(seed), rng)
             steps = (world.create,) * 4 + (world.delete, world.crash, world.sweep, world.wait, world.page_through)
             for _ in range(40):
@@ -162,18 +169,32 @@ def test_the_file_store_answers_as_its_model_does(tmp_path):
 
 
 @sync
-async def test_a_page_after_a_file_deleted_since_fails_visibly(api):
-    """An empty page there ended the SDK's paging as if no file came after it."""
-    app, _, _ = api
-    client, other = sdk(app, "b"), sdk(app, "b")
-    made = [(await client.files.create(file=("in.jsonl", _file(1)), purpose="batch")).id for _ in range(3)]
+async def test_a_client_deleting_what_it_pages_through_reaches_every_file(api, monkeypatch):
+    """The openai SDK asks for each page `after` the last file of the page before, so a client
+    deleting what it reads removes its own cursor: the next page came back empty and its paging
+    ended with files left (found by a review of the 400 that replaced it)."""
+    app, _, batches = api
+    client = sdk(app, "b")
+    made = []
+    for i in range(7):
+        made.append((await client.files.create(file=("in.jsonl", _file(1)), purpose="batch")).id)
+        batches._clock.now += i % 2  # some in one second
+    oldest_first = [(f.created_at, f.id) async for f in client.files.list(limit=2, order="asc")]
+    assert oldest_first == sorted(oldest_first) and sorted(i for _, i in oldest_first) == sorted(made)
+    async for f in client.files.list(limit=2):
+        await client.files.delete(f.id)
+    assert [f.id async for f in client.files.list()] == []
+    monkeypatch.setattr("router.files.new_file_id", lambda now: f"file-{uuid.uuid4().hex[:24]}")  # made before
+    for _ in range(2):
+        await client.files.create(file=("in.jsonl", _file(1)), purpose="batch")
     first = await client.files.list(limit=1)
-    await other.files.delete(first.data[0].id)
-    with pytest.raises(openai.BadRequestError) as e:
+    await client.files.delete(first.data[0].id)
+    with pytest.raises(openai.BadRequestError) as e:  # an id that says not where it sat: visibly, not an empty page
         await first.get_next_page()
     assert e.value.body["param"] == "after" and "list again without after" in e.value.body["message"]
-    again = [f.id async for f in await client.files.list(limit=1)]  # the SDK pages on from the start
-    assert sorted(again) == sorted(set(made) - {first.data[0].id})
     with pytest.raises(openai.BadRequestError) as e:
         await client.batches.list(after="batch_" + "0" * 24)
     assert e.value.body["param"] == "after" and "no batch" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.files.list(order="newest")
+    assert e.value.body["param"] == "order"
