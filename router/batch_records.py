@@ -107,6 +107,7 @@ class BatchStore:
         # tenants with a record the last poll could not read: its input is unknown, so none of
         # their files is swept (a job run again reads its input)
         self.unread_tenants: set[Path] = set()
+        self._read_again: set[Path] = set()  # records `mark_unfinished` could not read
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
         self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
         self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
@@ -183,7 +184,7 @@ class BatchStore:
                 record = read_record(path)
                 there = record is not None or path.exists()
             except OSError:  # the volume's: this batch waits for a later poll, the others move on
-                self._cannot_read(path)
+                self._cannot_read(path, volume=True)
                 continue
             if record is None:
                 if not there and _marked_at(marker) < self._clock() - MARKER_GRACE_S:
@@ -200,14 +201,16 @@ class BatchStore:
         return sum(1 for m in (folder.glob("batch_*") if folder.is_dir() else ())
                    if (r := read_record(self._path(tenant, m.name))) is not None and r["status"] not in TERMINAL)
 
-    def mark_unfinished(self) -> None:
+    def mark_unfinished(self) -> list[dict]:
         """A marker for each batch not finished that has none: the records of a version that kept
-        no markers (a replica of it may still create batches while this one runs). Reads only the
-        records changed since shortly before the last change the call before saw (a record is
-        written beside and renamed, and folders are read one after another, so one may show a
-        change older than another's read before it), so a service can call it at every sweep; a
-        record that cannot be read is logged, once."""
+        no markers (a replica of it may still create batches while this one runs); the records
+        marked, whose inputs the sweep after must keep. Reads only the records changed since
+        shortly before the last change the call before saw (a record is written beside and
+        renamed, and folders are read one after another, so one may show a change older than
+        another's read before it), so a service can call it at every sweep, and those the volume
+        could not read, until it can."""
         latest, since = self._scanned_ns, self._scanned_ns - RESCAN_MARGIN_NS
+        changed_paths, self._read_again = list(self._read_again), set()
         for folder in self._root.glob("*/batches") if self._root.is_dir() else ():
             with os.scandir(folder) as entries:
                 for entry in entries:
@@ -217,19 +220,25 @@ class BatchStore:
                         changed = entry.stat().st_ctime_ns  # a rename changes it, not the written time
                     except FileNotFoundError:
                         continue
-                    if changed < since:
-                        continue
-                    latest = max(latest, changed)
-                    try:
-                        record = read_record(Path(entry.path))
-                    except OSError:  # the volume's: logged as unreadable, once
-                        record = None
-                    if record is None:
-                        self._cannot_read(Path(entry.path))
-                    elif record["status"] not in TERMINAL and not self._marker(tenant := record["_tenant"],
-                                                                                record["id"]).exists():
-                        self.mark(tenant, record["id"])
+                    if changed >= since:
+                        latest = max(latest, changed)
+                        changed_paths.append(Path(entry.path))
+        marked = []
+        for path in dict.fromkeys(changed_paths):
+            try:
+                record = read_record(path)
+            except OSError:  # the volume's: read again at the next call
+                self._cannot_read(path, volume=True)
+                self._read_again.add(path)
+                continue
+            if record is None:
+                if path.exists():
+                    self._cannot_read(path)
+            elif record["status"] not in TERMINAL and not self._marker(record["_tenant"], record["id"]).exists():
+                self.mark(record["_tenant"], record["id"])
+                marked.append(record)
         self._scanned_ns = latest
+        return marked
 
     @contextlib.contextmanager
     def exclusive(self, wait_s: float | None = None) -> Iterator[bool]:
@@ -268,10 +277,15 @@ class BatchStore:
     def forget_counts_but(self, ids: set[str]) -> None:
         self._counted = {k: v for k, v in self._counted.items() if k in ids}
 
-    def _cannot_read(self, path: Path) -> None:
-        self.unread_tenants.add(path.parent.parent)  # <tenant>/batches/<id>.json
+    def _cannot_read(self, path: Path, volume: bool = False) -> None:
+        """A record the volume failed to read (`volume`) may name an input a job will read
+        again, so its tenant's expired files are kept; a damaged one is left as it is."""
+        if volume:
+            self.unread_tenants.add(path.parent.parent)  # <tenant>/batches/<id>.json
         if path not in self._unreadable:
-            log.warning("batch record %s cannot be read; it is left as it is", path)
+            log.warning("batch record %s cannot be read (%s); it is left as it is", path,
+                        "the volume failed: its tenant's expired files are kept until it reads" if volume
+                        else "damaged, or another version's")
             self._unreadable.add(path)
 
     def _path(self, tenant: str, batch_id: str) -> Path:

@@ -146,12 +146,10 @@ class FileStore:
 
     def sweep(self, keep: set[Path] = frozenset(), keep_tenants: set[Path] = frozenset()) -> None:
         """Remove every tenant's expired files but those whose content path is in `keep` and
-        those of the tenant folders in `keep_tenants`, and what a crash left (older than
-        ORPHAN_GRACE_S: no write can still be under way)."""
+        those of the tenant folders in `keep_tenants`, and what a crash left, theirs too (older
+        than ORPHAN_GRACE_S: no write can still be under way)."""
         for folder in self._root.glob("*/files") if self._root.is_dir() else ():
-            if folder.parent in keep_tenants:
-                continue
-            for path in folder.glob("file-*.json"):
+            for path in folder.glob("file-*.json") if folder.parent not in keep_tenants else ():
                 try:
                     meta = _read_meta(path)
                 except OSError:  # this one unreadable now: the others are swept, it at a later sweep

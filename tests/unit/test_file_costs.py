@@ -17,6 +17,7 @@ import pytest
 
 from router.batch_api import BatchApi
 from router.batch_service import BatchService
+from router.batch_records import RESCAN_MARGIN_NS
 from router.batches import Batches, BatchSettings
 from router.errors import ApiError
 from router.files import ORPHAN_GRACE_S, FileStore, ReadOnce, write_whole
@@ -254,3 +255,54 @@ def test_the_files_of_a_tenant_whose_batch_record_cannot_be_read_are_not_swept(w
     runner.answer(next(iter(runner.jobs)), n=2, then="SUCCEEDED")
     batches.poll()
     assert batches.get("acme", hidden["id"])["status"] == "completed"
+
+
+def test_a_damaged_batch_record_keeps_none_of_its_tenants_files_from_the_sweep(world):
+    """A damaged record (read as none, for good) noted its tenant at every poll: its expired
+    files and what crashes left were never swept and counted in its share for ever (found by a
+    review). Only a record the volume fails to read keeps them, and a crash's halves go anyway."""
+    clock, runner, service, files = world
+    batches = service()
+    made = batches.create("acme", "k", _upload(files, "acme", 2), "/v1/completions", "24h")
+    (files._dir("acme").parent / "batches" / f"{made['id']}.json").write_text("{not json")
+    old = files.create("acme", "old.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"]
+    half = files._dir("acme") / f"file-{'a' * 24}"  # a content whose object a crash never wrote
+    half.write_bytes(b"x" * 10)
+    os.utime(half, (clock.now, clock.now))
+    clock.now += 2 * 3600
+    batches.poll()
+    with pytest.raises(ApiError):
+        files.get("acme", old, expired_ok=True)
+    assert not half.exists()
+
+
+def test_a_batch_record_of_the_version_before_keeps_its_input_until_it_is_read(world, monkeypatch):
+    """A record with no marker (the version before kept none) is marked at a sweep: its input was
+    gathered for keeping before the marking, so that sweep removed it once expired; and one the
+    volume failed to read was read no more once other records moved the scan past it, and its
+    input swept meanwhile (both found by a review)."""
+    clock, runner, service, files = world
+    batches = service()
+    inputs = [files.create("acme", "in.jsonl", "batch", _file(2), expires_after_s=3600)["id"] for _ in range(2)]
+    made = [batches.create("acme", "k", fid, "/v1/completions", "24h") for fid in inputs]
+    for b in made:
+        (files._dir("acme").parent / "batches" / "open" / b["id"]).unlink()  # as the version before keeps it
+    half = files._dir("acme") / f".{'file-' + 'b' * 24}.json.0123abcd"  # a crash's half: swept all the same
+    half.write_bytes(b"x")
+    os.utime(half, (clock.now, clock.now))
+    clock.now += 7200
+    with monkeypatch.context() as m:
+        _volume_fails(m, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{made[1]['id']}.json")
+        batches.poll()
+        assert all(files.content_path("acme", fid, expired_ok=True).exists() for fid in inputs)
+        assert not half.exists()
+        batches._store._scanned_ns += 2 * RESCAN_MARGIN_NS  # records changed since: the scan moves past it
+        clock.now += 61
+        batches.poll()
+        assert files.content_path("acme", inputs[1], expired_ok=True).exists(), "swept while it could not be read"
+    clock.now += 61
+    batches.poll()
+    assert (files._dir("acme").parent / "batches" / "open" / made[1]["id"]).exists(), "marked once read"
+    runner.answer(list(runner.jobs)[1], then="SUCCEEDED")
+    batches.poll()
+    assert batches.get("acme", made[1]["id"])["status"] == "completed"
