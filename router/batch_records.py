@@ -178,13 +178,15 @@ class BatchStore:
         batch ended (in a service that died before tidying it) is tidied, and one naming no
         record is dropped once another service's create can no longer be writing it."""
         self.unread_tenants = set()
-        for marker in self._root.glob("*/batches/open/batch_*") if self._root.is_dir() else ():
+        markers = [Path(e.path) for t in self._tenants() for e in self._scan(t / "batches" / "open", t)
+                   if e.name.startswith("batch_")]
+        for marker in markers:
             path = marker.parent.parent / f"{marker.name}.json"
             try:
                 record = read_record(path)
                 there = record is not None or path.exists()
             except OSError:  # the volume's: this batch waits for a later poll, the others move on
-                self._cannot_read(path, volume=True)
+                self._cannot_read(path, tenant=path.parent.parent)
                 continue
             if record is None:
                 if not there and _marked_at(marker) < self._clock() - MARKER_GRACE_S:
@@ -210,27 +212,30 @@ class BatchStore:
         another's read before it), so a service can call it at every sweep, and those the volume
         could not read, until it can."""
         latest, since = self._scanned_ns, self._scanned_ns - RESCAN_MARGIN_NS
-        changed_paths, self._read_again = list(self._read_again), set()
-        for folder in self._root.glob("*/batches") if self._root.is_dir() else ():
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
-                        continue  # the batches' own folders, the markers'
-                    try:
-                        changed = entry.stat().st_ctime_ns  # a rename changes it, not the written time
-                    except FileNotFoundError:
-                        continue
-                    if changed >= since:
-                        latest = max(latest, changed)
-                        changed_paths.append(Path(entry.path))
+        paths = list(self._read_again)
+        for tenant in self._tenants():
+            for entry in self._scan(tenant / "batches", tenant):
+                if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
+                    continue  # the batches' own folders, the markers'
+                try:
+                    changed = entry.stat().st_ctime_ns  # a rename changes it, not the written time
+                except FileNotFoundError:
+                    continue
+                except OSError:  # the volume's: read below, and read again at the next call if that fails too
+                    paths.append(Path(entry.path))
+                    continue
+                if changed >= since:
+                    latest = max(latest, changed)
+                    paths.append(Path(entry.path))
         marked = []
-        for path in dict.fromkeys(changed_paths):
+        for path in dict.fromkeys(paths):
             try:
                 record = read_record(path)
-            except OSError:  # the volume's: read again at the next call
-                self._cannot_read(path, volume=True)
+            except OSError:  # the volume's: read again at the next call, however far the scan moves
+                self._cannot_read(path, tenant=path.parent.parent)
                 self._read_again.add(path)
                 continue
+            self._read_again.discard(path)
             if record is None:
                 if path.exists():
                     self._cannot_read(path)
@@ -277,16 +282,36 @@ class BatchStore:
     def forget_counts_but(self, ids: set[str]) -> None:
         self._counted = {k: v for k, v in self._counted.items() if k in ids}
 
-    def _cannot_read(self, path: Path, volume: bool = False) -> None:
-        """A record the volume failed to read (`volume`) may name an input a job will read
-        again, so its tenant's expired files are kept; a damaged one is left as it is."""
-        if volume:
-            self.unread_tenants.add(path.parent.parent)  # <tenant>/batches/<id>.json
+    def _cannot_read(self, path: Path, tenant: Path | None = None) -> None:
+        """A record or folder the volume failed to read, of `tenant`, may name an input a job
+        will read again, so the tenant's expired files are kept; a damaged record (no `tenant`)
+        is left as it is."""
+        if tenant is not None:
+            self.unread_tenants.add(tenant)
         if path not in self._unreadable:
             log.warning("batch record %s cannot be read (%s); it is left as it is", path,
-                        "the volume failed: its tenant's expired files are kept until it reads" if volume
+                        "the volume failed: its tenant's expired files are kept until it reads" if tenant
                         else "damaged, or another version's")
             self._unreadable.add(path)
+
+    def _tenants(self) -> list[Path]:
+        try:
+            with os.scandir(self._root) as entries:
+                return [Path(e.path) for e in entries if e.is_dir()]
+        except FileNotFoundError:
+            return []
+
+    def _scan(self, folder: Path, tenant: Path) -> list[os.DirEntry]:
+        """A folder's entries; one the volume fails to list holds what is unknown (Path.glob
+        passes over it without a word), so its tenant's expired files are kept."""
+        try:
+            with os.scandir(folder) as entries:
+                return list(entries)
+        except FileNotFoundError:
+            return []
+        except OSError:
+            self._cannot_read(folder, tenant=tenant)
+            return []
 
     def _path(self, tenant: str, batch_id: str) -> Path:
         return tenant_dir(self._root, tenant) / "batches" / f"{batch_id}.json"

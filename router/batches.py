@@ -178,9 +178,9 @@ class Batches:
                 moving.add(record["id"])
         self._store.forget_counts_but(moving)
         if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
-            marked = self._store.mark_unfinished()  # a replica of the version before may still create batches
-            reading |= {self._files.path(r["_tenant"], r["input_file_id"]) for r in marked}
             try:
+                marked = self._store.mark_unfinished()  # a replica of the version before may still create batches
+                reading |= {self._files.path(r["_tenant"], r["input_file_id"]) for r in marked}
                 self._files.sweep(keep=reading, keep_tenants=self._store.unread_tenants)
                 self._swept_at = self._clock()
             except OSError:  # a shared volume's hiccup: the next poll sweeps again

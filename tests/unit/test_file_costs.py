@@ -306,3 +306,43 @@ def test_a_batch_record_of_the_version_before_keeps_its_input_until_it_is_read(w
     runner.answer(list(runner.jobs)[1], then="SUCCEEDED")
     batches.poll()
     assert batches.get("acme", made[1]["id"])["status"] == "completed"
+
+
+def test_a_batches_folder_the_volume_fails_to_list_keeps_its_tenants_files(world, monkeypatch):
+    """Path.glob passed over a tenant's markers the volume refused to list (EACCES), so its
+    batches stood still and their expired inputs were swept; a scan the volume failed dropped
+    the records waiting to be read again (both found by a review)."""
+    clock, runner, service, files = world
+    batches = service()
+    fid = files.create("acme", "in.jsonl", "batch", _file(2), expires_after_s=3600)["id"]
+    made = batches.create("acme", "k", fid, "/v1/completions", "24h")
+    old = files.create("beta", "in.jsonl", "batch", _file(1), expires_after_s=3600)["id"]
+    unmarked = batches.create("beta", "k", old, "/v1/completions", "24h")
+    (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).unlink()  # as the version before keeps it
+    clock.now += 7200
+    refused = {str(files._dir("acme").parent / "batches" / "open"), str(files._dir("beta").parent / "batches")}
+    scandir = os.scandir
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied"))
+                  if str(p) in refused else scandir(p))
+        batches.poll()
+        assert files.content_path("acme", fid, expired_ok=True).exists() and \
+            files.content_path("beta", old, expired_ok=True).exists()
+    with monkeypatch.context() as m:
+        _volume_fails(m, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{unmarked['id']}.json")
+        clock.now += 61
+        batches.poll()
+        store = batches._store
+        store._scanned_ns += 2 * RESCAN_MARGIN_NS  # other records changed since: the scan moves past it
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
+                  if str(p) == str(files._dir("acme").parent / "batches") else scandir(p))
+        clock.now += 61
+        batches.poll()  # the acme scan fails: beta's record still waits to be read again
+    clock.now += 61
+    batches.poll()
+    assert (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).exists(), "marked once read"
+    assert files.content_path("beta", old, expired_ok=True).exists()
+    for job in list(runner.jobs):
+        runner.answer(job, then="SUCCEEDED")
+    batches.poll()
+    assert [batches.get(t, b["id"])["status"] for t, b in (("acme", made), ("beta", unmarked))] == ["completed"] * 2
