@@ -109,11 +109,16 @@ class BatchApi:
         if unknown:
             raise ApiError(400, "invalid_request", f"unknown form field {unknown[0]!r}: send 'file', 'purpose' and "
                                                    "optionally expires_after[anchor] and expires_after[seconds]",
-                           unknown[0].split("[")[0])
+                           unknown[0].split("[")[0] or "file")  # (a field with no name: the form's)
         upload, purpose = form.get("file"), form.get("purpose")
-        if upload is None or isinstance(upload, str):
+        if upload is None:
             raise ApiError(400, "missing_field", "'file' is required: send the file as multipart/form-data with "
                                                   "fields 'file' and 'purpose'", "file")
+        if isinstance(upload, str):  # a text field (no filename): the file's name and content type are not known
+            raise ApiError(400, "invalid_value", "'file' must be a file part, with a filename (curl -F "
+                                                  "file=@in.jsonl), not a text field", "file")
+        if purpose is None:
+            raise ApiError(400, "missing_field", "'purpose' is required: use 'batch'", "purpose")
         if purpose not in ("batch",):
             raise ApiError(400, "invalid_value", f"purpose {purpose!r}: use 'batch'", "purpose")
         expires_after_s = expiry_seconds(_form_object(form, "expires_after"), "expires_after",
