@@ -178,7 +178,7 @@ class BatchStore:
         batch ended (in a service that died before tidying it) is tidied, and one naming no
         record is dropped once another service's create can no longer be writing it."""
         self.unread_tenants = set()
-        markers = [Path(e.path) for t in self._tenants() for e in self._scan(t / "batches" / "open", t)
+        markers = [Path(e.path) for t in self._tenants() for e in self._scan(t / "batches" / "open", t) or ()
                    if e.name.startswith("batch_")]
         for marker in markers:
             path = marker.parent.parent / f"{marker.name}.json"
@@ -212,9 +212,11 @@ class BatchStore:
         another's read before it), so a service can call it at every sweep, and those the volume
         could not read, until it can."""
         latest, since = self._scanned_ns, self._scanned_ns - RESCAN_MARGIN_NS
-        paths = list(self._read_again)
+        paths, listed = list(self._read_again), True
         for tenant in self._tenants():
-            for entry in self._scan(tenant / "batches", tenant):
+            entries = self._scan(tenant / "batches", tenant)
+            listed = listed and entries is not None
+            for entry in entries or ():
                 if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
                     continue  # the batches' own folders, the markers'
                 try:
@@ -242,7 +244,8 @@ class BatchStore:
             elif record["status"] not in TERMINAL and not self._marker(record["_tenant"], record["id"]).exists():
                 self.mark(record["_tenant"], record["id"])
                 marked.append(record)
-        self._scanned_ns = latest
+        if listed:  # else the folder that failed is scanned whole again next time
+            self._scanned_ns = latest
         return marked
 
     @contextlib.contextmanager
@@ -289,7 +292,7 @@ class BatchStore:
         if tenant is not None:
             self.unread_tenants.add(tenant)
         if path not in self._unreadable:
-            log.warning("batch record %s cannot be read (%s); it is left as it is", path,
+            log.warning("%s cannot be read (%s); it is left as it is", path,
                         "the volume failed: its tenant's expired files are kept until it reads" if tenant
                         else "damaged, or another version's")
             self._unreadable.add(path)
@@ -297,21 +300,28 @@ class BatchStore:
     def _tenants(self) -> list[Path]:
         try:
             with os.scandir(self._root) as entries:
-                return [Path(e.path) for e in entries if e.is_dir()]
+                return [Path(e.path) for e in entries if self._is_folder(e)]
         except FileNotFoundError:
             return []
 
-    def _scan(self, folder: Path, tenant: Path) -> list[os.DirEntry]:
-        """A folder's entries; one the volume fails to list holds what is unknown (Path.glob
-        passes over it without a word), so its tenant's expired files are kept."""
+    def _is_folder(self, entry: os.DirEntry) -> bool:
+        try:
+            return entry.is_dir()
+        except OSError:  # one entry the volume fails on (a symlink loop, say) stops no other tenant
+            self._cannot_read(Path(entry.path), tenant=Path(entry.path))
+            return False
+
+    def _scan(self, folder: Path, tenant: Path) -> list[os.DirEntry] | None:
+        """A folder's entries; None for one the volume fails to list, which holds what is
+        unknown (Path.glob passes over it without a word), so its tenant's expired files are kept."""
         try:
             with os.scandir(folder) as entries:
                 return list(entries)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError:
             self._cannot_read(folder, tenant=tenant)
-            return []
+            return None
 
     def _path(self, tenant: str, batch_id: str) -> Path:
         return tenant_dir(self._root, tenant) / "batches" / f"{batch_id}.json"

@@ -5,13 +5,17 @@ trouble, logged, never the whole service's: no constructor raises, no loop stops
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from router.errors import ApiError
 from router.quota import Need, Quota
+from tests.unit.test_batch_api import _file
 from tests.unit.test_batches import _output_rows, _upload, world  # noqa: F401 (a fixture)
 
 
@@ -133,3 +137,48 @@ def test_a_write_the_disk_takes_in_part_is_finished_not_torn_mid_file(tmp_path, 
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [json.loads(x)["custom_id"] for x in lines] == ["req-0", "req-1", "req-2"]
     assert completed_ids(tmp_path / "out.jsonl") == {"req-0", "req-1", "req-2"}
+
+
+def test_what_a_volume_holds_besides_tenants_folders_stops_no_tenants_batches(world):
+    """A symlink loop beside the tenants' folders made every poll raise once the folders were
+    listed by hand (pathlib's glob had passed over it), and a `batches` that is a file kept its
+    tenant's expired files for ever (both found by a review)."""
+    clock, runner, service, files = world
+    batches = service()
+    made = batches.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h")
+    old = files.create("beta", "in.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"]
+    (files._dir("beta").parent / "batches").write_text("not a folder")
+    root = files._dir("acme").parent.parent
+    (root / "loop").symlink_to("loop")
+    runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
+    clock.now += 7200
+    batches.poll()
+    assert batches.get("acme", made["id"])["status"] == "completed"
+    with pytest.raises(ApiError):
+        files.get("beta", old, expired_ok=True)
+
+
+def test_a_record_in_a_folder_the_volume_failed_to_list_is_marked_once_it_lists(world, monkeypatch):
+    """A sweep that could not list one tenant's batches moved its scan past the records it
+    did see, so that tenant's records of the version before (no marker) older than the scan's
+    margin were never read once its folder listed again: never marked, never moved, their
+    expired inputs swept (found by a review)."""
+    clock, runner, service, files = world
+    monkeypatch.setattr("router.batch_records.RESCAN_MARGIN_NS", 0)  # the margin, as if it had passed
+    batches = service()
+    old = files.create("beta", "in.jsonl", "batch", _file(1), expires_after_s=3600)["id"]
+    unmarked = batches.create("beta", "k", old, "/v1/completions", "24h")
+    (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).unlink()  # as the version before keeps it
+    time.sleep(0.05)  # a later change time for the next record (the volume's clock, not a wait for anything)
+    batches.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h")
+    clock.now += 7200
+    refused, scandir = str(files._dir("beta").parent / "batches"), os.scandir
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
+                  if str(p) == refused else scandir(p))
+        batches.poll()
+    clock.now += 61
+    batches.poll()
+    assert (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).exists(), "never marked"
+    assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
+
