@@ -34,14 +34,18 @@ ARMS = {"nice0": 0, f"nice{OFFLINE_NICE}": OFFLINE_NICE}
 
 
 def set_nice(pid: int, nice: int) -> int:
-    """Every thread of `pid` at `nice`; the number set."""
+    """Every thread of `pid` at `nice`; the number set. Lowering needs root: a round that
+    would run at another nice than its arm's stops the run instead."""
     done = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-            done += 1
-        except OSError:  # ended meanwhile, or lowering without the privilege
-            pass
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            raise SystemExit(f"thread {tid} of the offline replica stays at nice {os.getpriority(os.PRIO_PROCESS, tid)}"
+                             f", not {nice}: run as root to lower it between rounds")
+        done += 1
     return done
 
 
@@ -73,7 +77,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> Path:
                 procs.wait_quiet(quiet)
                 step(f"round {i}: {arm} ({threads} threads set)")
                 r = flood_round(target, raw / f"flood-{i:02d}-{arm}", stack)
-                results.append({"round": i, "arm": arm, **r})
+                results.append({"round": i, "arm": arm, "threads_set": threads, **r})
                 keep()
                 step(f"  TTFT P99 {r['online_ttft_ms']['p99']:.0f} ms, TPOT P99 {r['online_tpot_ms']['p99']:.1f} ms,"
                      f" offline {r['offline_tok_s']:.0f} tok/s")
@@ -81,10 +85,10 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> Path:
             order = [arm for _ in range(ceiling_rounds) for arm in ARMS]
             rng.shuffle(order)
             for i, arm in enumerate(order):  # prompts of their own each round: no prefix cache between rounds
-                set_nice(pid, ARMS[arm])
+                threads = set_nice(pid, ARMS[arm])
                 procs.wait_quiet(quiet)
                 r = ceiling_round("poolserve", raw / f"ceiling-{i:02d}-{arm}", 1000 + i)
-                ceiling.append({"round": i, "arm": arm, **r})
+                ceiling.append({"round": i, "arm": arm, "threads_set": threads, **r})
                 keep()
                 step(f"ceiling round {i}: {arm}: {r['output_tok_s']:.0f} output tok/s")
         finally:
