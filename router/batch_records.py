@@ -109,7 +109,7 @@ class BatchStore:
         self.unread_tenants: set[Path] = set()
         self._read_again: set[Path] = set()  # records `mark_unfinished` could not read
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
-        self._scanned_ns = -RESCAN_MARGIN_NS  # the latest change to a record `mark_unfinished` has read
+        self._scanned_ns: dict[Path, int] = {}  # tenant folder: the latest change to a record its scan read
         self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
         self._held_told: set[str] = set()  # batches whose held output was logged
 
@@ -206,17 +206,19 @@ class BatchStore:
     def mark_unfinished(self) -> list[dict]:
         """A marker for each batch not finished that has none: the records of a version that kept
         no markers (a replica of it may still create batches while this one runs); the records
-        marked, whose inputs the sweep after must keep. Reads only the records changed since
-        shortly before the last change the call before saw (a record is written beside and
-        renamed, and folders are read one after another, so one may show a change older than
-        another's read before it), so a service can call it at every sweep, and those the volume
-        could not read, until it can."""
-        latest, since = self._scanned_ns, self._scanned_ns - RESCAN_MARGIN_NS
-        paths, listed = list(self._read_again), True
+        marked, whose inputs the sweep after must keep. Reads, in each tenant's folder, only the
+        records changed since shortly before the last change its scan before saw (a record is
+        written beside and renamed), so a service can call it at every sweep; a folder the
+        volume fails to list is scanned from where it was once it lists, and a record it fails to
+        read (or mark) is read again at every call until it can be."""
+        paths = list(self._read_again)
         for tenant in self._tenants():
             entries = self._scan(tenant / "batches", tenant)
-            listed = listed and entries is not None
-            for entry in entries or ():
+            if entries is None:  # its scan stays where it was
+                continue
+            latest = self._scanned_ns.get(tenant, -RESCAN_MARGIN_NS)
+            since = latest - RESCAN_MARGIN_NS
+            for entry in entries:
                 if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
                     continue  # the batches' own folders, the markers'
                 try:
@@ -229,23 +231,22 @@ class BatchStore:
                 if changed >= since:
                     latest = max(latest, changed)
                     paths.append(Path(entry.path))
+            self._scanned_ns[tenant] = latest
         marked = []
         for path in dict.fromkeys(paths):
             try:
                 record = read_record(path)
+                if record is not None and record["status"] not in TERMINAL \
+                        and not self._marker(record["_tenant"], record["id"]).exists():
+                    self.mark(record["_tenant"], record["id"])
+                    marked.append(record)
             except OSError:  # the volume's: read again at the next call, however far the scan moves
                 self._cannot_read(path, tenant=path.parent.parent)
                 self._read_again.add(path)
                 continue
             self._read_again.discard(path)
-            if record is None:
-                if path.exists():
-                    self._cannot_read(path)
-            elif record["status"] not in TERMINAL and not self._marker(record["_tenant"], record["id"]).exists():
-                self.mark(record["_tenant"], record["id"])
-                marked.append(record)
-        if listed:  # else the folder that failed is scanned whole again next time
-            self._scanned_ns = latest
+            if record is None and path.exists():
+                self._cannot_read(path)
         return marked
 
     @contextlib.contextmanager

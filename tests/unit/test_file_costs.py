@@ -296,7 +296,8 @@ def test_a_batch_record_of_the_version_before_keeps_its_input_until_it_is_read(w
         batches.poll()
         assert all(files.content_path("acme", fid, expired_ok=True).exists() for fid in inputs)
         assert not half.exists()
-        batches._store._scanned_ns += 2 * RESCAN_MARGIN_NS  # records changed since: the scan moves past it
+        scanned = batches._store._scanned_ns  # records changed since: the scan moves past it
+        scanned.update({t: ns + 2 * RESCAN_MARGIN_NS for t, ns in scanned.items()})
         clock.now += 61
         batches.poll()
         assert files.content_path("acme", inputs[1], expired_ok=True).exists(), "swept while it could not be read"
@@ -332,8 +333,8 @@ def test_a_batches_folder_the_volume_fails_to_list_keeps_its_tenants_files(world
         _volume_fails(m, OSError(errno.EIO, "I/O error"), lambda path: path.name == f"{unmarked['id']}.json")
         clock.now += 61
         batches.poll()
-        store = batches._store
-        store._scanned_ns += 2 * RESCAN_MARGIN_NS  # other records changed since: the scan moves past it
+        scanned = batches._store._scanned_ns  # other records changed since: the scan moves past it
+        scanned.update({t: ns + 2 * RESCAN_MARGIN_NS for t, ns in scanned.items()})
         m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
                   if str(p) == str(files._dir("acme").parent / "batches") else scandir(p))
         clock.now += 61

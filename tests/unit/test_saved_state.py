@@ -182,3 +182,66 @@ def test_a_record_in_a_folder_the_volume_failed_to_list_is_marked_once_it_lists(
     assert (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).exists(), "never marked"
     assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
 
+
+
+
+def _unmarked_then_others(world, monkeypatch) -> tuple:
+    """beta's batch of the version before (no marker, an expiring input), then acme's three, each
+    record changed later than the one before; the scan's margin as if it had passed."""
+    clock, runner, service, files = world
+    monkeypatch.setattr("router.batch_records.RESCAN_MARGIN_NS", 0)
+    batches = service()
+    old = files.create("beta", "in.jsonl", "batch", _file(1), expires_after_s=3600)["id"]
+    unmarked = batches.create("beta", "k", old, "/v1/completions", "24h")
+    (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).unlink()
+    made = []
+    for _ in range(3):
+        time.sleep(0.02)  # change times of their own (the volume's clock, not a wait for anything)
+        made.append(batches.create("acme", "k", _upload(files, "acme", 1), "/v1/completions", "24h"))
+    clock.now += 7200
+    return batches, old, unmarked, made
+
+
+def test_one_tenant_folder_the_volume_fails_on_costs_the_others_nothing(world, monkeypatch):
+    """One folder that failed for good (a `lost+found` the pods may not read, say) held the scan
+    of every tenant back, so each sweep read every record ever kept; a tenant folder whose own
+    entry failed let the scan move past its records, never marked, their inputs swept (both
+    found by a review)."""
+    clock, runner, service, files = world
+    batches, old, unmarked, made = _unmarked_then_others(world, monkeypatch)
+    beta, is_dir, scandir = str(files._dir("beta").parent), os.DirEntry.is_dir, os.scandir
+    with monkeypatch.context() as m:  # beta's own entry fails while acme's records move the scan on
+        m.setattr(os.DirEntry, "is_dir", lambda e, **k: (_ for _ in ()).throw(OSError(errno.ESTALE, "Stale handle"))
+                  if e.path == beta else is_dir(e, **k))
+        batches.poll()
+    clock.now += 61
+    batches.poll()
+    assert (files._dir("beta").parent / "batches" / "open" / unmarked["id"]).exists(), "never marked"
+    assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
+    lost = files._dir("beta").parent.parent / "lost+found" / "batches"
+    lost.mkdir(parents=True)
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied"))
+                  if str(p) == str(lost) else scandir(p))
+        batches._store.mark_unfinished()
+        reads, read = [], Path.read_text
+        m.setattr(Path, "read_text", lambda p, *a, **k: reads.append(p) or read(p, *a, **k))
+        batches._store.mark_unfinished()  # what the next sweep reads
+    again = [p for p in reads if p.parent.name == "batches"]  # but each folder's latest, at its mark
+    assert len(again) <= 2, f"it read again what it had read: {again}"
+
+def test_a_record_that_cannot_be_marked_stops_no_start_and_no_sweep(world, monkeypatch):
+    """A file where a tenant's markers' folder should be made marking its record of the version
+    before raise: out of the service's constructor (the batch service could not start) and out
+    of every sweep (found by a review)."""
+    clock, runner, service, files = world
+    batches, old, unmarked, made = _unmarked_then_others(world, monkeypatch)
+    (files._dir("beta").parent / "batches" / "open").rmdir()
+    (files._dir("beta").parent / "batches" / "open").write_text("not a folder")
+    batches = service()  # a restart
+    batches.poll()
+    for job in list(runner.jobs):
+        runner.answer(job, then="SUCCEEDED")
+    batches.poll()
+    assert [batches.get("acme", b["id"])["status"] for b in made] == ["completed"] * 3
+    assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
