@@ -41,9 +41,20 @@ def read_record(path: Path) -> dict | None:
     if not (isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _SHAPE.items())
             and all(k in record and isinstance(record[k], (str, type(None))) for k in _OPTIONAL)
             and record["id"] == path.stem and record["status"] in (*TERMINAL, *_MOVING)
-            and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)):
+            and (record["status"] != "finalizing" or record.get("_final") in TERMINAL)
+            and _in_its_tenants_folder(record["_tenant"], path)):
         return None
     return record
+
+
+def _in_its_tenants_folder(tenant: str, path: Path) -> bool:
+    """Whether the tenant a record names is the one whose folder holds it: a damaged one would
+    move another tenant's batches, or, naming what no folder can be named (a lone surrogate),
+    raise at every poll and at the service's start."""
+    try:
+        return tenant_dir(Path(), tenant).name == path.parent.parent.name
+    except UnicodeEncodeError:
+        return False
 
 
 def output_held(path: Path) -> bool:

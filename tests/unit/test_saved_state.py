@@ -59,12 +59,17 @@ def test_an_account_that_no_longer_reads_starts_afresh_and_the_others_are_kept(d
     assert any("quota-ledger/t" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
-@pytest.mark.parametrize("damage", ["[]", '"x"', '{"id": "batch_%s"}', '{"status": "in_progress"}', "_tenant", "_job"],
-                         ids=["list", "string", "no status", "no id", "no tenant", "no job"])
+@pytest.mark.parametrize("damage", ["[]", '"x"', '{"id": "batch_%s"}', '{"status": "in_progress"}', "_tenant", "_job",
+                                    "=\udcff", "=beta"],
+                         ids=["list", "string", "no status", "no id", "no tenant", "no job", "tenant no folder can be",
+                              "another tenant"])
 def test_a_batch_record_that_no_longer_reads_stops_no_other_batch(world, damage, caplog):
     """Records outlive a version of the service: one of another shape made every poll raise
     before the batches after it (every tenant's) moved on, and the tenant's batch list a 500;
-    one missing a field only moving it on reads raised at every poll, for good."""
+    one missing a field only moving it on reads raised at every poll, for good. One naming a
+    tenant no folder can be named for (a lone surrogate) raised at every poll and at the
+    service's start, and one naming another tenant was moved on with that tenant's files (both
+    found by a review)."""
     clock, runner, service, files = world
     batches = service()
     b = batches.create("acme", "sk-acme", _upload(files, "acme", 3), "/v1/completions", "24h")
@@ -74,10 +79,13 @@ def test_a_batch_record_that_no_longer_reads_stops_no_other_batch(world, damage,
         path = folder / f"batch_{i:024x}.json"
         if damage.startswith("_"):  # a field missing
             path.write_text(json.dumps({k: v for k, v in {**record, "id": path.stem}.items() if k != damage}))
+        elif damage.startswith("="):  # another tenant's name
+            path.write_text(json.dumps({**record, "id": path.stem, "_tenant": damage[1:]}))
         else:
             path.write_text(damage.replace("%s", f"{i:024x}"))
     runner.answer(next(iter(runner.jobs)), then="SUCCEEDED")
     with caplog.at_level("WARNING", logger="poolserve.router"):
+        batches = service()  # a restart: the records of a version that kept no markers are read
         for _ in range(3):
             batches.poll()
     assert batches.get("acme", b["id"])["status"] == "completed"
