@@ -2,13 +2,14 @@
 
 One deployment of poolserve as `bench.ceiling` sets it up for its parity flood; rounds of that
 flood with the offline pool's replica process (the route, the gate, the reports) at nice 0, as
-shipped, or at nice OFFLINE_NICE like its engine, in a seeded shuffled order. Every thread of
-the replica is set before its round (lowering it back to 0 needs root). The raw data of every
+shipped before 2026-12-06, or at nice OFFLINE_NICE like its engine (as shipped since), in a
+seeded shuffled order. Every thread of the replica is set before its round (lowering it to 0
+needs root). The raw data of every
 round goes to bench/results/raw/<run>-replica-nice/; `--summarize DIR` prints the ratios with
 their 95% bootstrap intervals over rounds and requests. `--ceiling-rounds` adds rounds of the
 ceiling's `vllm bench serve` against the offline pool pinned at its ceiling, the same way.
 
-A diagnostic of a product change not made (bench/notes.md), not a target of any issue.
+The diagnostic that led to the change (bench/notes.md), not a target of any issue.
 
     python -m bench.replica_nice [--rounds 3] [--ceiling-rounds 0] [--seed 0] | --summarize DIR
 """

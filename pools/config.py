@@ -89,10 +89,9 @@ class ReplicaConfig(Frozen):
     downscale_delay_s: float = Field(600.0, ge=0, description="How long quiet must persist before removing one.")
     num_cpus: float = Field(1.0, ge=0, description="CPUs for the replica actor (the engine gets its own).")
     nice: int = Field(
-        0, ge=0, le=19, description="CPU priority of the pool's engine processes (Linux nice; 0: normal). Where "
-                                    "pools share cores with the router, a higher value for the offline pool lets "
-                                    "the online request path run first. The replica (gate, queue, reports) "
-                                    "stays at the workers' priority.")
+        0, ge=0, le=19, description="CPU priority of the pool's replicas and their engine processes (Linux nice; "
+                                    "0: normal). Where pools share cores with the router, a higher value for the "
+                                    "offline pool lets the online request path run first.")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources, e.g. {pool-online-chat: 1} to keep a pool on "
                                           "its own nodes (a worker group offering that resource).")

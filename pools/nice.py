@@ -1,4 +1,5 @@
-"""A pool's CPU priority on a host whose cores it shares: Linux `nice` for its engine processes.
+"""A pool's CPU priority on a host whose cores it shares: Linux `nice` for its replicas and
+their engine processes.
 
 Where both pools' engines share a host's cores with the router and the HTTP proxy (the
 two-core default, a small node), a busy offline engine takes its full share of a core from
@@ -7,15 +8,16 @@ priority) for the offline pool's engine keeps the core for it when nothing else 
 and yields it at once when the router, the proxy or the online engine do. Raising nice needs
 no privilege; lowering it does, so a value below the current one is left alone.
 
-Only the engine processes (engine core and workers: the model's compute) are lowered. The
-replica itself, the pool's gate, queue and reports to the autoscaler, stays at the worker's
-priority: lowered with them, under a flood its reports went stale (older than the
-controller's `stats_max_age_s`) because the load generator, proxy and router of that very
-flood ran first.
+The replica is lowered with its engine. Its route parses, prices and tokenizes the pool's
+requests and its engine's output is processed there; at the workers' priority, the edge of an
+offline wave (hundreds of requests arriving at once) took the core from the online engine and
+the online replica, and the online tail grew with it (bench/notes.md). Its reports to the
+autoscaler may come later under a flood; the controller holds a pool it has not heard from and
+logs the gap.
 
-Nice values belong to threads on Linux: every thread of every engine process is set, and
-threads and processes the engine starts later inherit their creator's value. Elsewhere than
-Linux this does nothing.
+Nice values belong to threads on Linux: every thread of the replica and of every engine
+process is set, and threads and processes started later inherit their creator's value.
+Elsewhere than Linux this does nothing.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ def renice(pids: list[int], nice: int) -> int:
     return changed
 
 
-def lower_engines(nice: int) -> list[int]:
-    """This replica's engine processes and everything under them, raised to `nice`; their pids."""
-    pids = descendants([pid for pid, _ in engine_children(os.getpid())]) if PROC.is_dir() else []
+def lower_pool(nice: int, replica: int) -> list[int]:
+    """The `replica` process, its engine processes and everything under them, raised to `nice`;
+    the engines' pids."""
+    pids = descendants([pid for pid, _ in engine_children(replica)]) if PROC.is_dir() else []
     if nice > 0:
-        changed = renice(pids, nice)
-        log.info("engine processes %s at nice %d (%d threads changed)", pids, nice, changed)
+        changed = renice([replica, *pids], nice)
+        log.info("replica %d and engine processes %s at nice %d (%d threads changed)", replica, pids, nice, changed)
     return pids
 
 

@@ -176,7 +176,7 @@ class PoolServer:
             engine = RayLLMEngine(llm_config, settings.stream_batching_ms)
         self._engine = engine
         await engine.start()
-        self._engine_pids = nice.lower_engines(settings.nice)  # describe() shows their nice values
+        self._engine_pids = nice.lower_pool(settings.nice, os.getpid())  # describe() shows the values
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         started = time.monotonic()
         await engine.warm_up(settings.warmup_requests)

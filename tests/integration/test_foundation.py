@@ -75,10 +75,10 @@ def test_default_pool_models_and_health(stack):
 
 
 def test_pools_run_at_their_configured_cpu_priority(stack):
-    """Ray's workers at the config's worker niceness (0, not Ray's 15); every engine process of
-    the offline pool at its `replicas.nice` (10 in this config), its replica (gate, reports) at 0."""
+    """Ray's workers at the config's worker niceness (0, not Ray's 15); the offline pool's
+    replica and every engine process under it at its `replicas.nice` (10 in this config)."""
     offline = stack.admin("GET", "/admin/pools/offline-batch/describe").json()["nice"]
     online = stack.admin("GET", "/admin/pools/online-chat/describe").json()["nice"]
     assert online["replica"] == 0 and len(online["engines"]) >= 2 and set(online["engines"]) == {0}
-    assert offline["replica"] == 0
+    assert offline["replica"] == 10
     assert len(offline["engines"]) >= 2 and set(offline["engines"]) == {10}  # engine core and its worker

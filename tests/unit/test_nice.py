@@ -1,8 +1,9 @@
-"""A pool's engine processes at a lower CPU priority: every thread, never back up; the replica stays."""
+"""A pool's replica and engine processes at a lower CPU priority: every thread, never back up."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,18 +54,27 @@ ENGINE = "import setproctitle, threading, time; setproctitle.setproctitle('VLLM:
          "threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); print('up', flush=True); time.sleep(30)"
 
 
-def test_the_engines_are_lowered_and_the_replica_is_not():
-    """What a pool replica does after its engine started: the engine's threads go to the
-    pool's nice, the replica's own (its gate and its reports) keep theirs."""
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True)
+REPLICA = "import subprocess, sys, time; engine = subprocess.Popen([sys.executable, '-c', %r], " \
+          "stdout=subprocess.PIPE, text=True); engine.stdout.readline(); print(engine.pid, flush=True); " \
+          "time.sleep(30)" % ENGINE
+
+
+def test_the_replica_and_its_engines_are_lowered_and_nothing_else():
+    """What a pool replica does after its engine started: the replica's threads and its
+    engine's go to the pool's nice; this process and one beside the replica keep theirs."""
+    replica = subprocess.Popen([sys.executable, "-c", REPLICA], stdout=subprocess.PIPE, text=True)
     other = subprocess.Popen([sys.executable, "-c", TWO_THREADS], stdout=subprocess.PIPE, text=True)
+    engine = int(replica.stdout.readline())
     try:
-        assert engine.stdout.readline().strip() == other.stdout.readline().strip() == "up"
+        assert other.stdout.readline().strip() == "up"
         mine = nice.niceness(os.getpid())
-        assert nice.lower_engines(mine + 3) == [engine.pid]
-        assert _thread_nices(engine.pid) == [mine + 3, mine + 3]
+        assert nice.lower_pool(mine + 3, replica.pid) == [engine]
+        assert _thread_nices(engine) == [mine + 3, mine + 3]
+        assert set(_thread_nices(replica.pid)) == {mine + 3}
         assert nice.niceness(os.getpid()) == mine and _thread_nices(other.pid) == [mine, mine]
+        assert nice.lower_pool(0, other.pid) == [] and _thread_nices(other.pid) == [mine, mine]
     finally:
-        for p in (engine, other):
+        os.kill(engine, signal.SIGKILL)  # the replica's child, not reaped by this process
+        for p in (replica, other):
             p.kill()
             p.wait()
