@@ -7,8 +7,10 @@ The parity flood, the same for both set-ups:
   * offline: OFFLINE_OUTSTANDING whole requests of OFFLINE_LENGTHS tokens kept outstanding,
     from its own process, starting RAMP_S before the online load;
   * the online engine on core 0 with ONLINE_SEQS sequences, the offline engine on core 1 held
-    at OFFLINE_SEQS sequences with its replica and engine processes at nice OFFLINE_NICE, Ray's
-    other workers (proxy, ingress, online replica) at the embedded default's `ray.worker_niceness`.
+    at OFFLINE_SEQS sequences with its engine processes at nice OFFLINE_NICE, Ray's workers
+    (proxy, replicas) at the embedded default's `ray.worker_niceness`; poolserve's offline
+    replica at OFFLINE_NICE too, as it ships (the stock one at that nice lost offline throughput
+    in the one round measured, bench/notes.md: the baseline keeps it at the workers').
   poolserve: the embedded default with both pools pinned at those limits (no calibration
   sweeps). stock-two-pools: two LLMConfigs behind one ray.serve.llm OpenAiIngress with those
   engine ceilings, cores, stream batching and nice, and ray.serve.llm's default

@@ -31,21 +31,33 @@ log = logging.getLogger(__name__)
 
 
 def renice(pids: list[int], nice: int) -> int:
-    """Raise every thread of `pids` to at least `nice`; the number of threads changed."""
+    """Raise every thread of `pids` to at least `nice`; the number of threads changed. Passes
+    again until one changes nothing: a thread started during a pass by one not yet raised
+    would keep its creator's value, and hand it on."""
     changed = 0
-    for pid in pids:
-        try:
-            tids = [int(t.name) for t in (PROC / str(pid) / "task").iterdir()]
-        except OSError:
-            continue  # gone, or not Linux
-        for tid in tids:
-            try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, nice)
-                    changed += 1
-            except OSError:
-                pass  # the thread ended meanwhile
+    for _ in range(8):  # a few passes at most: a process starts threads in bursts, not for ever
+        more = sum(_raise(tid, nice) for pid in pids for tid in _threads(pid))
+        changed += more
+        if not more:
+            break
     return changed
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t.name) for t in (PROC / str(pid) / "task").iterdir()]
+    except OSError:
+        return []  # gone, or not Linux
+
+
+def _raise(tid: int, nice: int) -> bool:
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            return True
+    except OSError:
+        pass  # the thread ended meanwhile
+    return False
 
 
 def lower_pool(nice: int, replica: int) -> list[int]:

@@ -62,7 +62,7 @@ class PoolSettings:
     stream_batching_ms: float
     fingerprint_base: dict[str, Any]  # model, dtype, quantization, max_model_len, ceilings
     warmup_requests: int = 8
-    nice: int = 0  # Linux nice of the engine processes (pools.nice)
+    nice: int = 0  # Linux nice of the replica and its engine processes (pools.nice)
     hardware: str | None = None  # the fingerprint's hardware, when the config overrides what is detected
     model_dtype: str | None = None  # `model.dtype` as configured, decided again on the replica's CPU (`own_dtype`)
     accelerator: str = "cpu"
