@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -26,8 +25,6 @@ from router.body import BodyLimits, read_json
 from router.config import TenantConfig
 from router.errors import ApiError
 from router.files import FileStore, expiry_seconds, volume_failed
-
-log = logging.getLogger("poolserve.router")
 
 FORM_FRAMING_BYTES = 16 << 10  # a multipart upload's boundaries, headers, file name and small fields
 FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}  # as the openai SDK sends them
@@ -177,7 +174,6 @@ class BatchApi:
         except ApiError as e:
             return e.response()
         except OSError as e:
-            log.warning("the batch volume failed: %r", e)
             return volume_failed(e).response()
         return FileResponse(path, media_type="application/jsonl")
 
@@ -236,7 +232,6 @@ class BatchApi:
         except ApiError as e:
             return e.response()
         except OSError as e:  # the volume's: named, where it was a 500 (or, timing out, the upload's 408)
-            log.warning("the batch volume failed: %r", e)
             return volume_failed(e).response()
 
 

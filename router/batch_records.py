@@ -115,12 +115,13 @@ class BatchStore:
     def __init__(self, root: Path, clock: Callable[[], float]) -> None:
         self._root, self._clock = root, clock
         self._unreadable: set[Path] = set()  # logged once each
-        # tenants with a record the last poll could not read: its input is unknown, so none of
-        # their files is swept (a job run again reads its input)
+        # tenants with a record, a folder or an entry the last poll could not read: what it holds
+        # is unknown, so none of their files is swept (a job run again reads its input)
         self.unread_tenants: set[Path] = set()
         self._read_again: set[Path] = set()  # records `mark_unfinished` could not read
         self._counted: dict[str, tuple[int, int, int]] = {}  # batch id: its output's bytes counted, answered, failed
-        self._scanned_ns: dict[Path, int] = {}  # tenant folder: the latest change to a record its scan read
+        # tenant folder: its batches' folder (device, inode) and the latest change to a record its scan read
+        self._scanned_ns: dict[Path, tuple[tuple[int, int] | None, int]] = {}
         self._finished = ReadOnce(READ_ONCE_BYTES)  # a finished record is written no more
         self._held_told: set[str] = set()  # batches whose held output was logged
 
@@ -210,9 +211,15 @@ class BatchStore:
                 yield record
 
     def unfinished_of(self, tenant: str) -> int:
-        folder = tenant_dir(self._root, tenant) / "batches" / "open"
-        return sum(1 for m in (folder.glob("batch_*") if folder.is_dir() else ())
-                   if (r := read_record(self._path(tenant, m.name))) is not None and r["status"] not in TERMINAL)
+        """A tenant's batches not finished, for its cap. A markers' folder the volume fails to
+        list raises: Path.glob passed over it, and a count of none let the tenant past its cap."""
+        try:
+            with os.scandir(tenant_dir(self._root, tenant) / "batches" / "open") as entries:
+                names = [e.name for e in entries if e.name.startswith("batch_")]
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        return sum(1 for name in names
+                   if (r := read_record(self._path(tenant, name))) is not None and r["status"] not in TERMINAL)
 
     def mark_unfinished(self) -> list[dict]:
         """A marker for each batch not finished that has none: the records of a version that kept
@@ -224,10 +231,16 @@ class BatchStore:
         read (or mark) is read again at every call until it can be."""
         paths = list(self._read_again)
         for tenant in self._tenants():
+            folder = _identity(tenant / "batches")
             entries = self._scan(tenant / "batches", tenant)
+            if entries is not None and _identity(tenant / "batches") != folder:  # swapped while listed
+                self._cannot_read(tenant / "batches", tenant=tenant)  # its files kept; scanned whole next time
+                entries = None
             if entries is None:  # its scan stays where it was
                 continue
-            latest = self._scanned_ns.get(tenant, -RESCAN_MARGIN_NS)
+            scanned, latest = self._scanned_ns.get(tenant, (None, -RESCAN_MARGIN_NS))
+            if scanned is None or scanned != folder:  # another folder by that name (put back by a rename): its
+                latest = -RESCAN_MARGIN_NS  # records' times are its own
             since = latest - RESCAN_MARGIN_NS
             for entry in entries:
                 if not (entry.name.startswith("batch_") and entry.name.endswith(".json")):
@@ -242,7 +255,7 @@ class BatchStore:
                 if changed >= since:
                     latest = max(latest, changed)
                     paths.append(Path(entry.path))
-            self._scanned_ns[tenant] = latest
+            self._scanned_ns[tenant] = (folder, latest)
         marked = []
         for path in dict.fromkeys(paths):
             try:
@@ -340,6 +353,14 @@ class BatchStore:
 
     def _marker(self, tenant: str, batch_id: str) -> Path:
         return tenant_dir(self._root, tenant) / "batches" / "open" / batch_id
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(folder)
+    except OSError:  # none yet, or the volume's: its scan starts over once it has one
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _marked_at(marker: Path) -> float:

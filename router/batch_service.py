@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 from typing import Any, Callable
 
@@ -14,8 +13,6 @@ from router import batch_records
 from router.batches import Batches, BatchSettings, JobRunner, busy
 from router.errors import ApiError
 from router.files import FileStore, volume_failed
-
-log = logging.getLogger("poolserve.router")
 
 
 class BatchService:
@@ -58,6 +55,5 @@ class BatchService:
         except ApiError as e:
             refusal = e
         except OSError as e:  # the volume's: named, where the router took it for this service restarting
-            log.warning("the batch volume failed: %r", e)
             refusal = volume_failed(e)
         return {"error": [refusal.status, refusal.code, refusal.message, refusal.param, refusal.retry_after_s]}

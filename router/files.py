@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import errno
 import json
+import logging
 import os
 import re
 import threading
@@ -29,6 +30,8 @@ from typing import Any, Callable, Iterable
 from urllib.parse import quote
 
 from router.errors import ApiError
+
+log = logging.getLogger("poolserve.router")
 
 PURPOSES = ("batch", "batch_output")
 _ID = re.compile(r"file-[0-9a-f]{24}")
@@ -235,7 +238,9 @@ class ReadOnce:
 
 
 def volume_failed(e: OSError) -> ApiError:
-    """The volume's own failure, named: never the tenant's fault, never a bare 500."""
+    """The volume's own failure, named: never the tenant's fault, never a bare 500. Logged with
+    the path it names, for the operator (the client's message holds no path of the server's)."""
+    log.warning("the batch volume failed: %s: %s", type(e).__name__, e)
     problem = e.strerror or type(e).__name__
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return ApiError(507, "storage_full", f"the volume batches.dir names is full ({problem}); nothing was kept: "

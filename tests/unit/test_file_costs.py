@@ -20,7 +20,7 @@ from router.batch_service import BatchService
 from router.batch_records import RESCAN_MARGIN_NS
 from router.batches import Batches, BatchSettings
 from router.errors import ApiError
-from router.files import ORPHAN_GRACE_S, FileStore, ReadOnce, write_whole
+from router.files import ORPHAN_GRACE_S, FileStore, ReadOnce, volume_failed, write_whole
 from tests.unit.test_batch_polls import _reads_of
 from tests.unit.test_batch_uploads import app_with
 from tests.unit.test_batches import Clock, FakeRunner, _line, _upload, world  # noqa: F401 (a fixture)
@@ -297,7 +297,7 @@ def test_a_batch_record_of_the_version_before_keeps_its_input_until_it_is_read(w
         assert all(files.content_path("acme", fid, expired_ok=True).exists() for fid in inputs)
         assert not half.exists()
         scanned = batches._store._scanned_ns  # records changed since: the scan moves past it
-        scanned.update({t: ns + 2 * RESCAN_MARGIN_NS for t, ns in scanned.items()})
+        scanned.update({t: (f, ns + 2 * RESCAN_MARGIN_NS) for t, (f, ns) in scanned.items()})
         clock.now += 61
         batches.poll()
         assert files.content_path("acme", inputs[1], expired_ok=True).exists(), "swept while it could not be read"
@@ -334,7 +334,7 @@ def test_a_batches_folder_the_volume_fails_to_list_keeps_its_tenants_files(world
         clock.now += 61
         batches.poll()
         scanned = batches._store._scanned_ns  # other records changed since: the scan moves past it
-        scanned.update({t: ns + 2 * RESCAN_MARGIN_NS for t, ns in scanned.items()})
+        scanned.update({t: (f, ns + 2 * RESCAN_MARGIN_NS) for t, (f, ns) in scanned.items()})
         m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
                   if str(p) == str(files._dir("acme").parent / "batches") else scandir(p))
         clock.now += 61
@@ -347,3 +347,14 @@ def test_a_batches_folder_the_volume_fails_to_list_keeps_its_tenants_files(world
         runner.answer(job, then="SUCCEEDED")
     batches.poll()
     assert [batches.get(t, b["id"])["status"] for t, b in (("acme", made), ("beta", unmarked))] == ["completed"] * 2
+
+
+def test_a_volume_failure_is_logged_with_its_path_and_answered_without_it(caplog):
+    """The log named the error's type and code but not the folder that failed (an OSError's
+    repr leaves its path out), so an operator could not tell which; the client's answer names
+    no path of the server's."""
+    e = PermissionError(errno.EACCES, "Permission denied", "/vol/acme/batches/open")
+    with caplog.at_level("WARNING", logger="poolserve.router"):
+        refusal = volume_failed(e)
+    assert refusal.status == 503 and "/vol" not in refusal.message
+    assert any("/vol/acme/batches/open" in r.getMessage() for r in caplog.records)

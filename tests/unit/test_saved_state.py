@@ -253,3 +253,47 @@ def test_a_record_that_cannot_be_marked_stops_no_start_and_no_sweep(world, monke
     batches.poll()
     assert [batches.get("acme", b["id"])["status"] for b in made] == ["completed"] * 3
     assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
+
+
+def test_a_markers_folder_the_volume_fails_to_list_lets_no_tenant_past_its_cap(world, monkeypatch):
+    """A tenant's count of its unfinished batches passed over a markers' folder the volume
+    refused to list (Path.glob does), so it counted none and a create went past
+    `batches.max_active_per_tenant`. The create fails instead (the service names the volume)."""
+    clock, runner, service, files = world
+    batches, fid = service(), _upload(files, "acme", 1)
+    for _ in range(8):
+        batches.create("acme", "k", fid, "/v1/completions", "24h")
+    markers, scandir = str(files._dir("acme").parent / "batches" / "open"), os.scandir
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied"))
+                  if str(p) == markers else scandir(p))
+        with pytest.raises(PermissionError):
+            batches.create("acme", "k", fid, "/v1/completions", "24h")
+    assert len(batches.list("acme")["data"]) == 8
+    with pytest.raises(ApiError) as e:
+        batches.create("acme", "k", fid, "/v1/completions", "24h")
+    assert e.value.code == "too_many_batches"
+
+
+def test_a_tenant_folder_put_back_by_a_rename_is_scanned_whole(world, monkeypatch, tmp_path_factory):
+    """A tenant's folder restored by a rename (`mv` from a backup) keeps its records' change
+    times, older than its scan's place, so its records of the version before were never read:
+    never marked, their expired inputs swept (found by a review)."""
+    clock, runner, service, files = world
+    monkeypatch.setattr("router.batch_records.RESCAN_MARGIN_NS", 0)  # the margin, as if it had passed
+    batches = service()
+    old = files.create("beta", "in.jsonl", "batch", _file(1), expires_after_s=3600)["id"]
+    unmarked = batches.create("beta", "k", old, "/v1/completions", "24h")
+    beta = files._dir("beta").parent
+    (beta / "batches" / "open" / unmarked["id"]).unlink()  # as the version before keeps it
+    aside = tmp_path_factory.mktemp("aside")  # outside the store's root, on its filesystem
+    beta.rename(aside / "backup")
+    time.sleep(0.05)  # a later change time for the next record (the volume's clock, not a wait for anything)
+    batches.create("beta", "k", _upload(files, "beta", 1), "/v1/completions", "24h")
+    batches._store.mark_unfinished()  # the scan's place: past the record put away
+    beta.rename(aside / "replaced")
+    (aside / "backup").rename(beta)
+    clock.now += 7200
+    batches.poll()
+    assert (beta / "batches" / "open" / unmarked["id"]).exists(), "never marked"
+    assert files.content_path("beta", old, expired_ok=True).exists(), "its input swept"
