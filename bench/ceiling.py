@@ -363,13 +363,13 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
             server.wait(60)
     out["wall_s"] = time.monotonic() - started
     out["targets"] = {k: asdict(v) for k, v in targets.items()}
-    renamed = _compress(raw)
+    renamed = compress(raw)
     if "profiles" in out:  # a profile large enough to be compressed is recorded under its new name
         out["profiles"] = {k: renamed.get(v, v) for k, v in out["profiles"].items()}
     return out
 
 
-def _compress(raw: Path, above: int = 64 * 1024, root: Path = REPO) -> dict[str, str]:
+def compress(raw: Path, above: int = 64 * 1024, root: Path = REPO) -> dict[str, str]:
     """Gzip the run's large raw files (per-request detail and profiles run to megabytes); the
     new name of each, both relative to `root`."""
     renamed = {}

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench import intervals, procs
-from bench.ceiling import ONLINE_TIMEOUT_S, _compress, at_rest, ceiling_round, flood_round
+from bench.ceiling import ONLINE_TIMEOUT_S, at_rest, ceiling_round, compress, flood_round
 from bench.common import RESULTS, ray_cluster
 from bench.setups import CEILING_SEQS, OFFLINE_NICE, OFFLINE_SEQS, ONLINE_SEQS, pin, poolserve
 from infra.loadgen import read_raw
@@ -94,7 +94,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> Path:
                 step(f"ceiling round {i}: {arm}: {r['output_tok_s']:.0f} output tok/s")
         finally:
             set_nice(pid, 0)
-    _compress(raw)  # vllm bench serve's per-request detail runs to megabytes
+    compress(raw)  # vllm bench serve's per-request detail runs to megabytes
     return raw
 
 

@@ -142,11 +142,11 @@ def test_ceiling_section_names_the_flood_only_when_the_run_had_one():
 def test_ceiling_compresses_only_the_large_raw_files(tmp_path):
     import gzip
 
-    from bench.ceiling import _compress
+    from bench.ceiling import compress
 
     (tmp_path / "big.json").write_text("x" * 100)
     (tmp_path / "small.json").write_text("y")
-    renamed = _compress(tmp_path, above=10, root=tmp_path.parent)
+    renamed = compress(tmp_path, above=10, root=tmp_path.parent)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.json.gz", "small.json"]
     # the run records its profiles under these names (a profile past the bound once went missing)
     assert renamed == {f"{tmp_path.name}/big.json": f"{tmp_path.name}/big.json.gz"}
