@@ -125,8 +125,7 @@ class FileStore:
         except FileNotFoundError:
             names = []
         now = self._clock()
-        objects = self._objects.read(folder, [n for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])],
-                                     lambda path: (_read_meta(path), True))
+        objects = self._objects.read(folder, _object_names(names), lambda path: (_read_meta(path), True))
         sign = -1 if order == "desc" else 1
 
         def key(m: dict) -> tuple[int, str]:
@@ -150,19 +149,33 @@ class FileStore:
     def sweep(self, keep: set[Path] = frozenset(), keep_tenants: set[Path] = frozenset()) -> None:
         """Remove every tenant's expired files but those whose content path is in `keep` and
         those of the tenant folders in `keep_tenants`, and what a crash left, theirs too (older
-        than ORPHAN_GRACE_S: no write can still be under way)."""
-        for folder in self._root.glob("*/files") if self._root.is_dir() else ():
-            for path in folder.glob("file-*.json") if folder.parent not in keep_tenants else ():
-                try:
-                    meta = _read_meta(path)
-                except OSError:  # this one unreadable now: the others are swept, it at a later sweep
-                    continue
-                if meta is not None and self._expired(meta) and folder / meta["id"] not in keep:
-                    self._remove(folder, meta["id"])
-            for entry in _leftovers_and_contents(folder):
-                if (entry.name.startswith(".") or not (folder / f"{entry.name}.json").exists()) \
-                        and _changed_at(entry) < self._clock() - ORPHAN_GRACE_S:
-                    Path(entry.path).unlink(missing_ok=True)
+        than ORPHAN_GRACE_S: no write can still be under way). Like a list, it reads only the
+        file objects new since it last read the folder; a folder the volume will not list is
+        named in the log and swept once it lists, the others swept meanwhile."""
+        for folder in self._tenant_folders():
+            try:
+                names = set(os.listdir(folder))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("could not list %s to remove its expired files: %s", folder, e)
+                continue
+            if folder.parent not in keep_tenants:
+                for meta in self._objects.read(folder, _object_names(names), _readable_meta):
+                    if self._expired(meta) and folder / meta["id"] not in keep:
+                        self._remove(folder, meta["id"])
+            for name in names:
+                if _LEFT.fullmatch(name) and (name.startswith(".") or f"{name}.json" not in names) \
+                        and _changed_at(folder / name) < self._clock() - ORPHAN_GRACE_S:
+                    (folder / name).unlink(missing_ok=True)
+
+    def _tenant_folders(self) -> list[Path]:
+        """Each tenant's files' folder; a root the volume will not list raises (the caller logs it)."""
+        try:
+            with os.scandir(self._root) as entries:
+                return [Path(e.path) / "files" for e in entries if _is_folder(e)]
+        except FileNotFoundError:
+            return []
 
     def _remove(self, folder: Path, file_id: str) -> None:
         (folder / f"{file_id}.json").unlink(missing_ok=True)  # the object first: a file exists while it does
@@ -260,9 +273,30 @@ def _leftovers_and_contents(folder: Path) -> list[os.DirEntry]:
         return []
 
 
-def _changed_at(entry: os.DirEntry) -> float:
+def _is_folder(entry: os.DirEntry) -> bool:
     try:
-        return entry.stat().st_mtime
+        return entry.is_dir()
+    except OSError:  # one entry the volume fails on (a symlink loop) stops no tenant's sweep
+        return False
+
+
+def _object_names(names: Iterable[str]) -> list[str]:
+    """The file objects' names among a folder's."""
+    return [n for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])]
+
+
+def _readable_meta(path: Path) -> tuple[dict | None, bool]:
+    """A file's object for the sweep, kept read; one the volume fails to read now is passed
+    over (the others are swept, it at a later sweep)."""
+    try:
+        return _read_meta(path), True
+    except OSError:
+        return None, False
+
+
+def _changed_at(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
     except FileNotFoundError:
         return float("inf")  # gone already
 

@@ -1,0 +1,77 @@
+"""What the minutely sweep of tenants' files costs the batch service, and what it does with a
+folder the volume will not list. The sweep parsed every file object of every tenant at every
+sweep (10,000 files a tenant is the default cap) and stat'ed every content for its object,
+where a list reads only what is new; and it passed over a folder it could not list without a
+word, so that folder's expired files stayed for ever and nobody was told."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from router.files import ORPHAN_GRACE_S, FileStore
+from tests.unit.test_batch_polls import _reads_of
+from tests.unit.test_batches import Clock, _upload
+
+
+def test_a_sweep_reads_each_file_object_once(tmp_path, monkeypatch):
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    kept = [_upload(files, t, 1) for t in ("acme", "globex") for _ in range(20)]
+    soon = files.create("acme", "soon.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"]
+    files.sweep()
+    objects = _reads_of(monkeypatch, lambda t: '"object": "file"' in str(t))
+    files.sweep()
+    assert objects == [], "nothing new since the sweep before: no file object read again"
+    new = _upload(files, "globex", 2)
+    files.sweep()
+    assert len(objects) == 1, "only the new file's object"
+    clock.now += 3600
+    files.sweep()
+    listed = {f["id"] for t in ("acme", "globex") for f in files.list(t)["data"]}
+    assert listed == {*kept, new} and not files.path("acme", soon).exists(), "the expired file is swept, and only it"
+
+
+def test_a_sweep_stats_no_content_whose_object_it_listed(tmp_path, monkeypatch):
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    for _ in range(30):
+        _upload(files, "acme", 1)
+    orphan = files.path("acme", "file-0123456789abcdef01234567")
+    orphan.write_bytes(b"left by a crash")
+    os.utime(orphan, (clock.now - ORPHAN_GRACE_S - 1,) * 2)
+    looked: list[str] = []
+    exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda self, *a, **k: (looked.append(self.name), exists(self, *a, **k))[1])
+    files.sweep()
+    assert looked == [], "the folder's names tell which contents have their object"
+    assert not orphan.exists(), "the content a crash left with no object is swept"
+    assert len(files.list("acme")["data"]) == 30
+
+
+def test_a_tenant_folder_the_volume_will_not_list_is_named_and_the_others_are_swept(tmp_path, monkeypatch, caplog):
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    gone = {t: files.create(t, "in.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"] for t in ("acme", "globex")}
+    clock.now += 3600
+    refused = files.path("acme", "x").parent
+    real = {name: getattr(os, name) for name in ("listdir", "scandir")}
+
+    def refusing(name):
+        def call(path="."):
+            if Path(path) == refused:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real[name](path)
+        return call
+    for name in real:
+        monkeypatch.setattr(os, name, refusing(name))
+    with caplog.at_level(logging.WARNING, logger="poolserve.router"):
+        files.sweep()
+    assert not files.path("globex", gone["globex"]).exists(), "another tenant's expired file is swept"
+    assert files.path("acme", gone["acme"]).exists()
+    assert [r for r in caplog.records if str(refused) in r.getMessage()], "the folder left unswept is named"
+    for name, call in real.items():
+        monkeypatch.setattr(os, name, call)
+    files.sweep()
+    assert not files.path("acme", gone["acme"]).exists(), "swept once the volume lists it again"
