@@ -48,6 +48,8 @@ def _operator(name: str, saved: Any) -> Operator:
         raise ValueError(f"epoch {epoch!r} is not a count")
     if not all(isinstance(v, bool) for v in flags.values()):
         raise ValueError(f"calibrating and lending must be true or false: {flags}")
+    if flags["calibrating"] and pinned is None:  # a sweep's range is for its pins alone
+        raise ValueError("calibrating without a pin")
     slo = SloJson.model_validate(saved["slo"]) if saved.get("slo") is not None else None
     op = Operator(pinned=pinned, epoch=epoch, slo=slo, **flags)
     log.info("pool %s: restored operator settings %s", name, op)

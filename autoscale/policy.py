@@ -40,7 +40,8 @@ Pure: a snapshot of the pool's aggregated replica reports in, a target out. In o
      once measured steps down (a TPOT, KV or preemption breach comes before any up move);
   8. a second step down for the same SLO breach needs the first to have helped: the
      breaching P99 `min_step_gain` lower than when the limit last stepped down for it
-     (the breach counts as over only after a whole `settle_s` measured under the SLO).
+     (the breach counts as over only after a whole `settle_s` measured under the SLO, or
+     once the limit moves up: a breach at the new limit is a new one).
      If it did not, the batch is not what drives it (another engine on the same cores,
      a burst of long prompts) and the limit holds instead of ratcheting to the bottom.
 
@@ -344,6 +345,8 @@ def decide(snap: PoolSnapshot, state: PolicyState, cfg: PolicyConfig, now: float
                     follow_up=direction > 0 and not quick)
     if level is not None:
         moved = replace(moved, down_code=code, down_level=level, down_clear_since=None)
+    elif direction > 0:  # a breach met at the new limit is a new one, not the step down's level measured below
+        moved = replace(moved, down_code="", down_level=0.0, down_clear_since=None)
     if direction > 0 and nxt != _step(steps, state.target, +1):
         why += (f"; to {nxt}, which holds the {load} sequences of its own running and waiting per replica and "
                 f"a burst ({wanted})" if nxt >= wanted else

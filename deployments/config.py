@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,10 +133,8 @@ class Resolved:
 _FIXES = {
     "extra_forbidden": "remove it, or check its spelling against docs/configuration.md",
     "missing": "add it",
-    "greater_than": "raise it",
-    "greater_than_equal": "raise it",
-    "less_than": "lower it",
-    "less_than_equal": "lower it",
+    "greater_than": "raise it", "greater_than_equal": "raise it",
+    "less_than": "lower it", "less_than_equal": "lower it",
     "literal_error": "use one of the values listed",
     "string_pattern_mismatch": "match the pattern shown",
     "too_short": "add at least one entry",
@@ -156,10 +155,22 @@ def parse(data: Any, source: str = "config") -> PoolserveConfig:
     if not isinstance(data, dict):
         raise ConfigError(source, [Problem("(top level)", data, "the config must be a mapping", "see "
                                            "deployments/configs/local.yaml for an example")])
+    problems = _not_finite(data)
     try:
-        return PoolserveConfig.model_validate(data)
+        config = PoolserveConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(source, _problems_from(e)) from None
+        problems += [p for p in _problems_from(e) if p.key not in {q.key for q in problems}]
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def _not_finite(data: Any, at: tuple = ()) -> list[Problem]:
+    """YAML's .inf and .nan, wherever they are: an infinite SLO failed the autoscaler at run time."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return [Problem(".".join(map(str, at)), data, "must be a finite number", "give a number, or leave it out")]
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    return [p for k, v in items for p in _not_finite(v, (*at, k))]
 
 
 def read_yaml(path: str | Path) -> Any:

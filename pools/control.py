@@ -118,8 +118,8 @@ class ReplicaStatus(Frozen):
 
 
 class SloJson(Frozen):
-    ttft_p99_ms: float = Field(gt=0)
-    tpot_p99_ms: float = Field(gt=0)
+    ttft_p99_ms: float = Field(gt=0, allow_inf_nan=False)
+    tpot_p99_ms: float = Field(gt=0, allow_inf_nan=False)
 
 
 class PoolSnapshot(Frozen):

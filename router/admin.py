@@ -35,8 +35,8 @@ class LendingRequest(_Body):
 
 
 class SloRequest(_Body):
-    ttft_p99_ms: float = Field(gt=0)
-    tpot_p99_ms: float = Field(gt=0)
+    ttft_p99_ms: float = Field(gt=0, allow_inf_nan=False)  # (JSON's 1e999 reads as inf: no range is judged by it)
+    tpot_p99_ms: float = Field(gt=0, allow_inf_nan=False)
 
 
 class Admin:

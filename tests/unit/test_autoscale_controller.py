@@ -350,11 +350,15 @@ def test_pin_and_unpin():
 @pytest.mark.parametrize("saved", [
     [1], {"pinned": "8"}, {"pinned": True}, {"epoch": None}, {"lending": "false"},
     {"slo": {"ttft_p99_ms": 500}}, {"slo": {"ttft_p99_ms": float("nan"), "tpot_p99_ms": 50}},
-], ids=["not a mapping", "pin text", "pin bool", "epoch null", "lending text", "slo field missing", "slo nan"])
+    {"slo": {"ttft_p99_ms": float("inf"), "tpot_p99_ms": 50}}, {"pinned": None, "calibrating": True},
+], ids=["not a mapping", "pin text", "pin bool", "epoch null", "lending text", "slo field missing", "slo nan",
+        "slo inf", "calibrating unpinned"])
 def test_operator_settings_that_no_longer_read_are_dropped_not_fatal(saved, caplog):
     """Operator settings outlive a controller, and a version of it: a saved record of another
     shape made the controller's constructor raise (no control app at all) or, for a pin that
-    is not a number, every report of the pool raise. The pool starts from the config's settings."""
+    is not a number, every report of the pool raise; an infinite SLO (which the admin API took)
+    made every report raise, and a sweep's flag without its pin opened the engine's whole range
+    to the autoscaler (found by a review). The pool starts from the config's settings."""
     from infra.state import MemoryStore
 
     store = MemoryStore()
@@ -363,6 +367,7 @@ def test_operator_settings_that_no_longer_read_are_dropped_not_fatal(saved, capl
         c = Controller({"p": PoolSpec("p", RANGE, 1.0, 0.1, 32)}, AutoscaleConfig(), Clock(), store=store)
     assert c.report(stats(seqs=8)).limits.max_active_seqs == 8
     assert c.status("p").pinned is None and c.views()["p"].lending
+    assert c.status("p").safe_range == (2, 16) and not c.status("p").calibrating
     assert any("pool/p" in r.getMessage() and "cannot be read" in r.getMessage() for r in caplog.records)
 
 

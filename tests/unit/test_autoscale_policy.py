@@ -352,3 +352,19 @@ def test_stale_stats_hold_forever():
     for i in range(100):
         new, state, reason = decide(PoolSnapshot(fresh=False), state, CFG, NOW + i * 5)
         assert new == 8 and reason.code == "stale"
+
+
+def test_a_breach_met_again_after_an_up_move_is_a_new_one():
+    """A breach's memory stayed through an up move: back at the limit it had stepped down
+    from, the same breach was compared with the level measured there before, and the limit
+    held at twice its SLO for good ("a smaller batch does not lower it"), though it had (found
+    by a review)."""
+    _, state, reason = decide(snap(tpot_p99_s=0.2), PolicyState(16), SETTLE, NOW)
+    assert (state.target, reason.code) == (8, "slo_tpot")
+    _, state, reason = decide(own(8, 16, samples=2), state, SETTLE, NOW + 100)  # a lull, then a load step
+    assert (state.target, reason.action) == (16, "up")
+    moves = []
+    for t in range(105, 400, 5):
+        _, state, reason = decide(snap(tpot_p99_s=0.2), state, SETTLE, NOW + t)
+        moves += [(reason.action, reason.code)] if reason.action != "hold" else []
+    assert moves == [("down", "slo_tpot")] and state.target == 8, "one step down, then held: it did not help at 8"

@@ -108,6 +108,9 @@ BAD = [
     ("tenants.0.priority", "urgent", "tenants.0.priority", "interactive"),
     ("tenants", [], "tenants", "at least 1"),
     ("autoscale", {"cooldown_s": 60, "reversal_cooldown_s": 10}, "autoscale", "reversal_cooldown_s"),
+    ("pools.online-chat.slo.ttft_p99_ms", float("inf"), "pools.online-chat.slo.ttft_p99_ms", "finite"),
+    ("router", {"body_timeout_s": float("inf")}, "router.body_timeout_s", "finite"),
+    ("autoscale", {"cooldown_s": float("nan")}, "autoscale.cooldown_s", "finite"),
 ]
 
 

@@ -288,9 +288,12 @@ def test_an_unreachable_controller_is_a_503_for_operators_and_answers_are_typed(
             down = await c.get("/admin/pools", headers=admin)
             lending = await c.put("/admin/pools/p/lending", headers=admin, json={"enabled": False})
             slo = await c.put("/admin/pools/p/slo", headers=admin, json={"ttft_p99_ms": 500, "tpot_p99_ms": 50})
-        return down, lending, slo, calls
+            endless = await c.put("/admin/pools/p/slo", headers={**admin, "content-type": "application/json"},
+                                  content=b'{"ttft_p99_ms": 1e999, "tpot_p99_ms": 50}')  # JSON's inf
+        return down, lending, slo, calls, endless
 
-    down, lending, slo, calls = asyncio.run(go())
+    down, lending, slo, calls, endless = asyncio.run(go())
+    assert endless.status_code == 400 and "ttft_p99_ms" in endless.text, endless.text
     assert down.status_code == 503 and float(down.headers["retry-after"]) > 0, down.text
     assert down.json()["error"]["code"] == "control_plane_unavailable" and "ray::" not in down.text
     assert LendingResult.model_validate(lending.json()) == LendingResult(pool="p", lending=False)
