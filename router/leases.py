@@ -60,7 +60,7 @@ class LedgerService:
         for tenant in quotas if store is not None else ():
             try:
                 if saved := store.get(self.PREFIX + tenant):
-                    self._ledger.restore(tenant, _Account.model_validate(saved).model_dump())
+                    self._ledger.restore(tenant, _Account.model_validate(saved).model_dump(), clock())
                     restored += 1
             except (ValueError, OSError) as e:  # another version's, or damaged (pydantic's errors are ValueErrors)
                 log.warning("quota ledger: the saved account %s%s cannot be read, so the tenant starts with its "
@@ -195,15 +195,22 @@ class QuotaClient:
         sync's slot count puts the slots right."""
         for tenant, lock in self._locks.items():
             async with lock:
-                req, tok, held = self._book.surplus(tenant)
-                sent = self._clock()
-                try:
-                    grant = await asyncio.shield(self._remote("settle", tenant, self._holder, req, tok, held))
-                except Exception as e:  # ledger away
-                    log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
-                    self._book.owe(tenant, min(0.0, tok))
-                    continue
-                self._book.add(tenant, grant, sent)
+                held, allowed = await self._settle(tenant)
+                if allowed is not None and allowed < held:  # its idle slots dropped: free for others now, not a
+                    await self._settle(tenant)               # sync later
+
+    async def _settle(self, tenant: str) -> tuple[int, int | None]:
+        """One settle: the slots reported held, and those the ledger allowed (None: no answer)."""
+        req, tok, held = self._book.surplus(tenant)
+        sent = self._clock()
+        try:
+            grant = await asyncio.shield(self._remote("settle", tenant, self._holder, req, tok, held))
+        except Exception as e:  # ledger away
+            log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
+            self._book.owe(tenant, min(0.0, tok))
+            return held, None
+        self._book.add(tenant, grant, sent)
+        return held, grant.slots_allowed
 
 
 async def _outlast(future: asyncio.Future) -> None:

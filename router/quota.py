@@ -19,7 +19,9 @@ its real usage settles the difference: the unused part is refunded, usage above 
 is debited (a balance may go below zero; the next grant pays the debt). Unused balances go
 back to the ledger at each sync, so other replicas can spend them, and each sync and each
 question tells the ledger how many slots the replica holds in all (not a difference), so a
-lost call never leaks a slot for good, and idle slots a replica dropped are free at once.
+lost call never leaks a slot for good, and idle slots a replica dropped are free at once. While
+a replica waits for a slot (refused one within `HOLDER_TTL_S`), no replica keeps an idle one: a
+sync drops them, and grants carry no spare.
 
 A replica the ledger has not heard from for `HOLDER_TTL_S` is taken for dead and its slots go
 to others; so a replica alive but cut off spends idle slots only within `LEASE_FRESH_S` of
@@ -31,53 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-INF = math.inf
+from router.buckets import INF, TokenBucket
+
 HOLDER_TTL_S = 30.0  # the ledger takes back the slots of a replica it has not heard from for this long
 LEASE_FRESH_S = HOLDER_TTL_S / 2  # a replica spends idle slots only this long after the ledger's answer
-
-
-@dataclass
-class TokenBucket:
-    capacity: float
-    refill_per_s: float
-    level: float
-    updated: float
-
-    @classmethod
-    def per_minute(cls, amount: int | None, now: float) -> "TokenBucket | None":
-        return None if amount is None else cls(amount, amount / 60.0, float(amount), now)
-
-    def _refill(self, now: float) -> None:
-        if now > self.updated:
-            self.level = min(self.capacity, self.level + (now - self.updated) * self.refill_per_s)
-            self.updated = now
-
-    def available(self, now: float) -> float:
-        self._refill(now)
-        return self.level
-
-    def take(self, n: float, now: float) -> bool:
-        self._refill(now)
-        if self.level + 1e-9 < n:
-            return False
-        self.level -= n
-        return True
-
-    def give_back(self, n: float, now: float) -> None:
-        self._refill(now)
-        self.level = min(self.capacity, self.level + n)
-
-    def debit(self, n: float, now: float) -> None:
-        """Take `n` even if the level goes below zero: usage that exceeded its charge."""
-        self._refill(now)
-        self.level -= n
-
-    def time_until(self, n: float, now: float) -> float:
-        """Seconds until `n` units are available (inf if n exceeds the capacity)."""
-        self._refill(now)
-        if n > self.capacity:
-            return INF
-        return max(0.0, (n - self.level) / self.refill_per_s)
 
 
 @dataclass(frozen=True)
@@ -124,6 +83,7 @@ class _TenantAccount:
     tokens: TokenBucket | None
     slots_out: dict[str, int] = field(default_factory=dict)  # router id -> slots held
     seen: dict[str, float] = field(default_factory=dict)  # router id -> last sync
+    short_at: float = -INF  # when a replica was last refused a slot
 
 
 class QuotaLedger:
@@ -143,13 +103,16 @@ class QuotaLedger:
         self._expire_holders(acct, now)
         if need.slots_held is not None and acct.quota.max_concurrent is not None:
             acct.slots_out[holder] = max(0, need.slots_held)  # as a sync says it, so dropped slots are free
+        if need.slots and self._free_slots(acct) < need.slots:
+            acct.short_at = now
         refusal = self._refusal(acct, need, now)
         if refusal is not None:
             return replace(refusal, slots_allowed=self._held(acct, holder))
         req = self._take(acct.requests, need.requests, need.extra_requests, now)
         tok = self._take(acct.tokens, need.tokens, need.extra_tokens, now)
         free = self._free_slots(acct)
-        slots = 0 if free == INF else need.slots + min(need.extra_slots, max(0, int(free) - need.slots))
+        extra = 0 if self._contended(acct, now) else need.extra_slots  # no idle slot while others wait for one
+        slots = 0 if free == INF else need.slots + min(extra, max(0, int(free) - need.slots))
         if slots:
             acct.slots_out[holder] = acct.slots_out.get(holder, 0) + slots
         return Grant(req, tok, slots, 0.0, "", *self._remaining(acct, now), slots_allowed=self._held(acct, holder))
@@ -158,7 +121,9 @@ class QuotaLedger:
                now: float) -> Grant:
         """Take back unused requests and tokens (negative tokens: a debt, debited), record the
         slots the holder holds in all; report what remains and the slots it may keep (fewer
-        when the ledger gave its slots away, so that idle ones are not spent twice)."""
+        when the ledger gave its slots away, so that idle ones are not spent twice; none idle
+        while another replica waits for a slot: its requests run on, and each slot goes back
+        as it ends)."""
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         if acct.requests is not None and requests > 0:
@@ -171,6 +136,7 @@ class QuotaLedger:
         if acct.quota.max_concurrent is not None:
             others = sum(n for h, n in acct.slots_out.items() if h != holder)
             allowed = max(0, min(slots_held, acct.quota.max_concurrent - others))
+            allowed = 0 if self._contended(acct, now) else allowed
             acct.slots_out[holder] = max(0, slots_held)  # running requests count, over the limit or not
         return Grant(0, 0, 0, 0.0, "", *self._remaining(acct, now), slots_allowed=allowed)
 
@@ -183,15 +149,17 @@ class QuotaLedger:
         return {"requests": bucket(a.requests), "tokens": bucket(a.tokens), "slots_out": dict(a.slots_out),
                 "seen": dict(a.seen)}
 
-    def restore(self, tenant: str, saved: dict) -> None:
+    def restore(self, tenant: str, saved: dict, now: float) -> None:
         """Take back an exported account (times on the same clock); a quota that changed keeps
-        its new capacity."""
+        its new capacity. Each holder is heard from as of `now`: none could reach the ledger
+        while it was down, and read as saved, an outage longer than the holders' TTL gave away
+        every live replica's running slots to the first to ask."""
         acct = self._accounts[tenant]
         for bucket, b in ((acct.requests, saved.get("requests")), (acct.tokens, saved.get("tokens"))):
             if bucket is not None and b:
                 bucket.level, bucket.updated = min(float(b["level"]), bucket.capacity), float(b["updated"])
         acct.slots_out = {h: int(n) for h, n in saved.get("slots_out", {}).items()}
-        acct.seen = {h: float(t) for h, t in saved.get("seen", {}).items()}
+        acct.seen = {h: max(float(t), now) for h, t in saved.get("seen", {}).items()}
 
     def usage(self, tenant: str, now: float) -> dict[str, float]:
         acct = self._accounts[tenant]
@@ -235,6 +203,10 @@ class QuotaLedger:
         if acct.quota.max_concurrent is None:
             return INF
         return acct.quota.max_concurrent - sum(acct.slots_out.values())
+
+    def _contended(self, acct: _TenantAccount, now: float) -> bool:
+        """A replica was refused a slot lately: a slot idle in another's lease is one it lacks."""
+        return acct.quota.max_concurrent is not None and now - acct.short_at <= self._holder_ttl_s
 
     def _expire_holders(self, acct: _TenantAccount, now: float) -> None:
         """Slots held by a router replica that stopped syncing (it died) come back."""

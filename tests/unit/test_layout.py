@@ -22,7 +22,7 @@ ALLOWED = {
     "bench": {"deployments", "router", "autoscale", "pools", "infra"},
 }
 ADAPTER = "pools/llm.py"
-PURE = ("pools/gate.py", "pools/kv_budget.py", "pools/types.py", "router/quota.py", "router/policy.py",
+PURE = ("pools/gate.py", "pools/kv_budget.py", "pools/types.py", "router/quota.py", "router/buckets.py", "router/policy.py",
         "autoscale/policy.py", "autoscale/knee.py", "autoscale/profile.py", "router/files.py", "router/batches.py",
         "infra/batchfile.py", "autoscale/operators.py", "autoscale/setups.py")
 

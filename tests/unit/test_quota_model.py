@@ -15,7 +15,8 @@ Invariants:
   * after everything ends and every replica syncs, the ledger is whole: its buckets hold the
     quota minus what was used (requests charged, tokens really used: refunds and debts both
     counted), less only what failed calls lost (checked where the clock stood still), and it
-    counts exactly the slots the replicas keep.
+    counts exactly the slots the replicas keep; and each replica, refused a slot, gets one
+    within a sync round.
 
 A failure names its seed; `POOLSERVE_SEED=<seed>` replays it (tests/unit/model_based.py).
 """
@@ -154,6 +155,23 @@ class World:
             for c in self.clients:
                 await c.sync()
         self.check_whole()
+        await self.check_a_free_slot_is_found()
+
+    async def check_a_free_slot_is_found(self) -> None:
+        """With nothing running, a replica refused a slot gets one within a sync round: a slot
+        idle in another replica's lease goes back (it kept a chunk of them at every sync)."""
+        if self.quota.max_concurrent is None:
+            return
+        for k, client in enumerate(self.clients):
+            try:
+                charge = await client.charge("t", 0)
+            except QuotaExceeded as e:
+                if e.denied.limit != "concurrency":
+                    continue  # out of requests or tokens: not a slot's matter
+                for c in self.clients:
+                    await c.sync()
+                charge = await client.charge("t", 0)
+            client.finish(charge, 0)
 
     def check_whole(self) -> None:
         assert all(n == 1 for n in self.finished.values()) and sum(self.inflight) == 0

@@ -1,0 +1,67 @@
+"""Concurrency slots across replicas: a slot idle in one replica's lease while another replica
+is refused, and a ledger back from an outage longer than its holders' TTL (both found by a
+review). Every pool replica holds leases of its own, so one tenant's requests to two pools
+are two replicas' to the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.leases import LedgerService, QuotaClient, QuotaExceeded
+from router.quota import HOLDER_TTL_S, Need, Quota, QuotaLedger
+
+QUOTAS = {"t": Quota(max_concurrent=1)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("max_concurrent, running", [(1, 0), (4, 3)])
+def test_a_slot_idle_on_one_replica_goes_to_another_that_is_refused(max_concurrent, running):
+    """A replica kept a chunk of idle slots at every sync, and the ledger confirmed them while
+    the tenant stood under its limit: the other replica's every request was refused with
+    nothing running (max_concurrent 1), or at 3 running of 4, for as long as the first synced."""
+    async def go():
+        clock = Clock()
+        quotas = {"t": Quota(max_concurrent=max_concurrent)}
+        service = LedgerService(quotas, clock=clock)
+        a, b = (QuotaClient(service, quotas, 0.25, clock=clock) for _ in range(2))
+        held = [await a.charge("t", 0) for _ in range(running + 1)]
+        a.finish(held.pop(), 0)  # one ended: its slot idle in a's lease
+        for _ in range(12):  # a minute of syncs, every 5 s
+            clock.now += 5
+            await a.sync()
+            await b.sync()
+        with pytest.raises(QuotaExceeded) as refused:
+            await b.charge("t", 0)
+        assert refused.value.denied.limit == "concurrency"
+        clock.now += 5
+        await a.sync()
+        await b.sync()
+        await b.charge("t", 0)  # no more than one sync later: a slot was free all along
+        with pytest.raises(QuotaExceeded):
+            await a.charge("t", 0)  # and the tenant is at its limit again
+    asyncio.run(go())
+
+
+def test_a_ledger_back_from_a_long_outage_gives_away_no_running_slot():
+    """A restored ledger read its holders' last-seen times as saved: after an outage longer
+    than HOLDER_TTL_S (a lost node, 40 s), the first replica to ask took every slot of the one
+    still running its requests, and the tenant ran at twice its max_concurrent."""
+    quota = {"t": Quota(max_concurrent=4)}
+    before = QuotaLedger(quota, 1000.0)
+    assert before.grant("t", "a", Need(slots=1, extra_slots=3, slots_held=0), 1000.0).slots == 4
+    before.settle("t", "a", 0, 0, 4, 1005.0)  # four running on replica a
+    after = QuotaLedger(quota, 1046.0)
+    after.restore("t", before.export("t"), 1046.0)
+    assert not after.grant("t", "b", Need(slots=1, slots_held=0), 1046.0).granted
+    assert after.usage("t", 1046.0)["concurrent"] == 4
+    quiet = 1046.0 + HOLDER_TTL_S + 1  # replica a never came back: its slots return in time
+    assert after.grant("t", "b", Need(slots=1, slots_held=0), quiet).granted
