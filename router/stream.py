@@ -121,9 +121,12 @@ class PoolStream:
         """The gate's verdict. Reaching a replica is bounded by `reach_timeout_s` (none took the
         call: it is restarting, or swamped); the wait in its queue is not."""
         with loads.waiting(self.pool, cls):
-            try:
-                first = await asyncio.wait_for(self._gen.__anext__(), reach_timeout_s)
-            except asyncio.TimeoutError:
+            try:  # (3.11's wait_for returned an item that came with the client's leaving, and went on)
+                async with asyncio.timeout(reach_timeout_s) as reach:
+                    first = await self._gen.__anext__()
+            except TimeoutError:
+                if not reach.expired():  # another's, not the bound's
+                    raise
                 self.cancel()
                 raise self._unreached(loads, reach_timeout_s) from None
             self._s.mark("arrived")

@@ -77,3 +77,31 @@ def test_an_engine_item_before_the_verdict_breaks_the_protocol(first):
     with pytest.raises(RuntimeError, match="protocol"):
         got, _, _ = verdict([first], delay=0.0, reach_s=1)
         raise got if isinstance(got, Exception) else AssertionError(got)
+
+
+class LeftAsItArrives(Slow):
+    """A pool stream whose client leaves just as its first item arrives: the route's task is
+    cancelled in the same turn of the loop that hands it the item."""
+
+    async def __anext__(self):
+        if len(self.items) == 2:
+            asyncio.get_running_loop().call_soon(self.route.cancel)
+        return await super().__anext__()
+
+
+def test_a_client_that_leaves_as_the_replica_answers_is_not_waited_for():
+    """3.11's wait_for returns the item and swallows the cancellation that came with it: the
+    route went on to wait in the gate's queue for a client long gone, took a slot and paid for
+    its prefill (found by a review)."""
+    async def go():
+        router, _ = make_router()
+        settlement = router._settlement(router._s.tenants[1], await router._charge(router._s.tenants[1], 0), 0.0)
+        settlement.dispatch("p", False)
+        stream = LeftAsItArrives([Arrived("r"), Admitted("p", "r", 0.2)], 0.0)
+        pool = PoolStream(stream, "p", settlement)
+        stream.route = asyncio.current_task()
+        with pytest.raises(asyncio.CancelledError):
+            await pool.verdict(router._loads, PriorityClass.STANDARD, 5.0)
+        assert stream.items, "its verdict was never awaited"
+        settlement.close()
+    asyncio.run(go())
