@@ -27,7 +27,7 @@ observed drain rate.
 
 The wait window (offline pools): admission holds while fewer than `min_batch_tokens`
 are queued and the oldest request has waited less than `max_wait_s`. With a zero
-window, or a queue already deeper than the free slots, nothing waits.
+window, or a queue whose sequences already fill the free slots, nothing waits.
 """
 
 from __future__ import annotations
@@ -96,14 +96,8 @@ class Changes:
 
 
 class AdmissionGate:
-    def __init__(
-        self,
-        limits: BatchLimits,
-        allowed: SafeRange,
-        ceilings: Ceilings,
-        queue: QueuePolicy,
-        clock: Clock,
-    ) -> None:
+    def __init__(self, limits: BatchLimits, allowed: SafeRange, ceilings: Ceilings, queue: QueuePolicy,
+                 clock: Clock) -> None:
         self._ceilings, self._queue, self._clock, self._allowed = ceilings, queue, clock, allowed
         self._limits = self._check(limits, allowed)
         self._classes = {p: FairClass() for p in PriorityClass}
@@ -271,7 +265,7 @@ class AdmissionGate:
         if q.max_wait_s <= 0 or not self._queued:
             return False
         free_slots = self._limits.max_active_seqs - self._active_seqs
-        if len(self._queued) >= free_slots or self._queued_tokens >= q.min_batch_tokens:
+        if self._queued_tokens >= q.min_batch_tokens or sum(t.seqs for t in self._queued.values()) >= free_slots:
             return False
         oldest = self._oldest_enqueue()
         return oldest is not None and self._clock() - oldest < q.max_wait_s
@@ -339,6 +333,10 @@ class AdmissionGate:
         now = self._clock()
         queued = (now - t.enqueued_at for t in self._queued.values() if t.priority != PriorityClass.BORROWED)
         return (*(w for at, w in self._waits if at >= now - window_s), *queued)
+
+    def borrowed_work(self) -> int:
+        """Sequences of borrowed work here, running or waiting."""
+        return self._borrowed_seqs + sum(t.seqs for t in self._queued.values() if t.priority == PriorityClass.BORROWED)
 
     def is_queued(self, ticket_id: int) -> bool:
         return ticket_id in self._queued

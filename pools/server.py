@@ -250,9 +250,10 @@ class PoolServer:
     def _lends(self, call: PoolCall) -> bool:
         """Whether this replica takes a borrowed call now. The borrower decided from the
         controller's view, a report or two old; here the pool's own work is seen as it is."""
-        s = self._gate.gate.stats()
-        return (s.own_idle_s >= call.lend_after_quiet_s
-                and s.own_work < call.lend_below_utilisation * s.limits.max_active_seqs)
+        gate = self._gate.gate
+        s, limit = gate.stats(), gate.limits.max_active_seqs
+        return (s.own_idle_s >= call.lend_after_quiet_s and s.own_work < call.lend_below_utilisation * limit
+                and gate.borrowed_work() + call.n <= int(call.lend_max_share * limit))
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
         """The engine's output for one call: the usage split off (a `Usage` item) and, for a

@@ -117,9 +117,11 @@ class PoolCall:
     include_usage: bool = False
     n: int = 1
     # a borrowed call: the lender takes it only while its own work has been away this long and
-    # holds less than this share of its limit (the borrower's rule, judged where it is exact)
+    # holds less than this share of its limit, and while borrowed work, this call's sequences
+    # included, holds at most `lend_max_share` of it (the borrower's rule, judged where it is exact)
     lend_after_quiet_s: float = 0.0
     lend_below_utilisation: float = 1.0
+    lend_max_share: float = 1.0
     # what the route's renderer made of the prompt, for an engine in the same process to take
     # instead of rendering it again; never pickled: another process's engine renders its own
     rendered: Any = field(default=None, compare=False, repr=False)

@@ -139,7 +139,8 @@ class Router:
             sent = dataclasses.replace(call, priority=cls, borrowed=attempt.borrowed)
             if attempt.borrowed and (rule := self._routes[home].borrow) is not None:
                 sent = dataclasses.replace(sent, lend_after_quiet_s=rule.after_quiet_s,
-                                           lend_below_utilisation=rule.while_below_utilisation)
+                                           lend_below_utilisation=rule.while_below_utilisation,
+                                           lend_max_share=rule.max_share)
             stream = PoolStream(self._pools[attempt.pool].generate.remote(sent), attempt.pool, s)
             try:
                 verdict = await _guarded(stream, stream.verdict(self._loads, cls, self._s.router.reach_timeout_s))

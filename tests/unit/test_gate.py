@@ -199,6 +199,15 @@ def test_wait_window_skipped_when_queue_deeper_than_free_slots():
     assert len(ch.admitted) == 2
 
 
+def test_wait_window_counts_the_sequences_that_wait():
+    """Two requests of 4 choices fill 8 free slots, but the window counted them as 2 and held
+    them its whole length with the engine idle (found by a review)."""
+    gate, _ = make_gate(seqs=8, wait_s=0.2, min_batch=4096)
+    gate.offer(gate.new_ticket("a", 1.0, P.STANDARD, 400, seqs=4))
+    ch = gate.offer(gate.new_ticket("a", 1.0, P.STANDARD, 400, seqs=4))
+    assert len(ch.admitted) == 2 and gate.next_deadline() is None
+
+
 def test_zero_window_admits_at_once():
     gate, _ = make_gate(seqs=2, wait_s=0.0, min_batch=10_000)
     _, ch = offer(gate)

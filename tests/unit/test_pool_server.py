@@ -11,7 +11,8 @@ import pytest
 from pools.engine import StatsBox
 from pools.gate import Ceilings, QueuePolicy
 from pools.server import PoolServer, PoolSettings
-from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Refused, Rejected, SafeRange
+from pools.types import (Admitted, Arrived, BatchLimits, Finished, PoolCall, PriorityClass, Refused, Rejected,
+                         SafeRange)
 
 RANGE = SafeRange((1, 2, 4), 1, 4, 100, 10_000)
 
@@ -303,3 +304,32 @@ def test_a_lender_refuses_borrowed_work_while_its_own_work_is_here_or_recent():
     for refused in (while_busy, just_after):
         assert isinstance(refused[0], Rejected) and refused[0].reason == "lender_busy" and len(refused) == 1
     assert isinstance(quiet_enough[0], Admitted) and isinstance(quiet_enough[-1], Finished)
+
+
+def test_a_lender_holds_borrowed_work_to_the_borrowers_share_in_sequences():
+    """`borrow.max_share` was the borrower's count of borrowed requests against the lender's
+    limit in sequences, a view a report or two old, and the lender never checked it: requests
+    of 4 choices took a whole limit of 4 at a share of 0.5, and an idle lender ran any one
+    borrowed request however large (found by a review). The lender counts borrowed sequences,
+    running and waiting, against the share of its limit."""
+    import dataclasses
+
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server()
+        server._gate.gate.set_limits(BatchLimits(4, 10_000))
+        lent = dataclasses.replace(call(PriorityClass.BORROWED, n=2), borrowed=True, lend_max_share=0.5)
+        first = asyncio.get_running_loop().create_task(collect(server, lent))
+        await until(lambda: server._gate.gate.stats().borrowed_seqs == 2, "the first borrowed call running")
+        second = await collect(server, lent)  # 2 + 2 > 0.5 x 4
+        too_large = await collect(server, dataclasses.replace(lent, n=4))
+        FakeEngine.release.set()
+        await first
+        alone = await collect(server, dataclasses.replace(lent, n=4))  # on an idle lender too
+        fits = await collect(server, lent)
+        return second, too_large, alone, fits
+
+    second, too_large, alone, fits = asyncio.run(go())
+    for refused in (second, too_large, alone):
+        assert isinstance(refused[0], Rejected) and refused[0].reason == "lender_busy" and len(refused) == 1
+    assert isinstance(fits[0], Admitted) and isinstance(fits[-1], Finished)
