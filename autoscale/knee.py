@@ -51,6 +51,8 @@ class KneeResult:
 
 
 def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
+    if row.requests == 0:  # its P99s are zeros, which every SLO passed: no evidence the step is safe
+        return ["no request answered in its window"]
     out = []
     if row.ttft_ms.p99 > slo.ttft_p99_ms:
         out.append(f"P99 TTFT {row.ttft_ms.p99:.0f} ms > SLO {slo.ttft_p99_ms:.0f} ms")

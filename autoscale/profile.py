@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pools.config import Fingerprint, Frozen
 
@@ -125,6 +125,17 @@ class Profile(Frozen):
     # than the set-up may have caused it, so the next start measures again (once).
     provisional: bool = False
     cudagraph: CudaGraphCheck = CudaGraphCheck()
+
+    @model_validator(mode="after")
+    def _range_on_its_ladder(self) -> "Profile":
+        """A hand-edited profile whose range is not two steps of its own rising ladder: read
+        back, the pool's first report raised building its range, and it ran on the fallback."""
+        ladder, (low, high) = self.ladder, self.range
+        if not ladder or ladder[0] < 1 or any(a >= b for a, b in zip(ladder, ladder[1:])):
+            raise ValueError(f"rows: the ladder {list(ladder)} must rise from 1 or more")
+        if not (low <= high and low in ladder and high in ladder):
+            raise ValueError(f"range {[low, high]} must be two steps of its ladder {list(ladder)}, the lower first")
+        return self
 
     @property
     def ladder(self) -> tuple[int, ...]:

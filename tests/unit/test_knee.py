@@ -192,3 +192,30 @@ def test_a_profile_with_nan_is_refused_by_name(tmp_path, where, value):
     with pytest.raises(ValidationError, match="is not a number a range can be judged by") as e:
         load_profile(tmp_path / "p.yaml")
     assert ".".join(map(str, where)) in str(e.value)
+
+
+def test_a_step_that_answered_nothing_is_no_evidence_of_safety():
+    """A step whose window answered no request has P99s of zero, which passed every SLO: it
+    joined the range, the top of it (a long-output step's window can end before any answer;
+    `poolserve calibrate` takes its steadiness from the engine's token rate). Found by a review."""
+    r = find_knee([row(1, 100, 100), row(2, 0, 0, requests=0), row(4, 400, 120)], SLO, RULE)
+    assert (r.low, r.high) == (1, 1) and "no request answered" in r.reason
+
+
+@pytest.mark.parametrize("edit", [{"range": [3, 8]}, {"range": [8, 4]}, {"range": [4, 64]},
+                                  {"rows": "reversed"}], ids=["low off the ladder", "high first", "past the ladder",
+                                                              "rows not rising"])
+def test_a_profile_whose_range_is_off_its_ladder_is_refused(tmp_path, edit):
+    """A hand-edited profile whose range is not two steps of its own ladder read back: the
+    pool's first report then raised building its range, and the pool ran on the fallback
+    range for good, its profile shown as in force and never measured again (found by a review)."""
+    import yaml
+    from pydantic import ValidationError
+
+    rows = sweep([4, 8], lambda _: None, lambda s: row(s, 100 * s, 500), progress=lambda _: None)
+    dump_profile(build_profile("online-chat", rows, FP, SLO, TRAFFIC, RULE, [], "2026-12-04"), tmp_path / "p.yaml")
+    data = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    data.update({k: data[k][::-1] if v == "reversed" else v for k, v in edit.items()})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValidationError, match="ladder"):
+        load_profile(tmp_path / "p.yaml")
