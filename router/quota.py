@@ -272,7 +272,10 @@ class LeaseBook:
         short_slot = new_request and q.max_concurrent is not None and lease.slots_free < 1
         if not (short_req or short_tok or short_slot):
             return None
-        return Need(requests=int(short_req), tokens=max(0, math.ceil(tokens - lease.tokens)) if short_tok else 0,
+        # a debt is asked for with the request, but never more than a minute's: more was refused
+        # for good (too large for the quota) where the request itself fits, and need only wait
+        short = min(math.ceil(tokens - lease.tokens), q.tokens_per_min) if short_tok else 0
+        return Need(requests=int(short_req), tokens=max(0, short),
                     slots=int(short_slot), extra_requests=self._chunk(q.requests_per_min),
                     extra_tokens=self._chunk(q.tokens_per_min),
                     extra_slots=self._chunk(q.max_concurrent) - 1 if q.max_concurrent else 0,

@@ -1,7 +1,7 @@
-"""Concurrency slots across replicas: a slot idle in one replica's lease while another replica
-is refused, and a ledger back from an outage longer than its holders' TTL (both found by a
-review). Every pool replica holds leases of its own, so one tenant's requests to two pools
-are two replicas' to the ledger."""
+"""Leases against the ledger: a slot idle in one replica's lease while another replica is
+refused, a ledger back from an outage longer than its holders' TTL, a lease in debt (all
+found by a review). Every pool replica holds leases of its own, so one tenant's requests to
+two pools are two replicas' to the ledger."""
 
 from __future__ import annotations
 
@@ -65,3 +65,30 @@ def test_a_ledger_back_from_a_long_outage_gives_away_no_running_slot():
     assert after.usage("t", 1046.0)["concurrent"] == 4
     quiet = 1046.0 + HOLDER_TTL_S + 1  # replica a never came back: its slots return in time
     assert after.grant("t", "b", Need(slots=1, slots_held=0), quiet).granted
+
+
+def test_a_lease_in_debt_refuses_a_request_that_fits_for_tokens_not_for_good():
+    """A request that used more tokens than it was charged leaves its lease in debt, and the
+    next refill asked the ledger for the request and the debt together: more than a minute's
+    tokens, so a request well within tokens_per_min was refused as too large for the quota
+    ("lower max_tokens"), with no retry, until the next sync (found by a review)."""
+    async def go():
+        clock = Clock()
+        quotas = {"t": Quota(tokens_per_min=1000)}
+        client = QuotaClient(LedgerService(quotas, clock=clock), quotas, 0.1, clock=clock)
+        first = await client.charge("t", 100)
+        client.finish(first, 700)  # used 600 more than charged: the lease owes them
+        with pytest.raises(QuotaExceeded) as refused:
+            await client.charge("t", 600)  # 800 left at the ledger, 500 of them owed: 300 for it
+        refusals = [refused.value.denied]
+        while clock.now < 1200:  # a client that retries when told: its debt paid, the request goes through
+            clock.now += refusals[-1].retry_after_s
+            try:
+                return refusals, await client.charge("t", 600)
+            except QuotaExceeded as e:
+                refusals.append(e.denied)
+        return refusals, None
+
+    refusals, charge = asyncio.run(go())
+    assert charge is not None and len(refusals) <= 3, refusals
+    assert all(d.limit == "tokens" and 0 < d.retry_after_s <= 60 for d in refusals), refusals
