@@ -51,7 +51,7 @@ class KneeResult:
 
 
 def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
-    if row.requests == 0:  # its P99s are zeros, which every SLO passed: no evidence the step is safe
+    if row.requests == 0 == row.errors:  # its P99s are zeros, which every SLO passed: no evidence it is safe
         return ["no request answered in its window"]
     out = []
     if row.ttft_ms.p99 > slo.ttft_p99_ms:
