@@ -140,6 +140,8 @@ class QuotaClient:
         tenant's lock: between a grant and its charge no other request or sync can spend it.
         A charge refused after that names the limit that ran short, never a lost race."""
         async with self._locks[tenant]:
+            if self._book.lease(tenant).tokens < 0:  # a debt goes to the ledger first, so its answer's wait counts it
+                await self._settle(tenant)
             for _ in range(self.MAX_REFILLS):
                 need = self._book.try_charge(tenant, tokens, new_request, self._clock())
                 if isinstance(need, Charge):  # another request's refill covered this one too
@@ -195,12 +197,11 @@ class QuotaClient:
         sync's slot count puts the slots right."""
         for tenant, lock in self._locks.items():
             async with lock:
-                held, allowed = await self._settle(tenant)
-                if allowed is not None and allowed < held:  # its idle slots dropped: free for others now, not a
-                    await self._settle(tenant)               # sync later
+                if await self._settle(tenant):  # idle slots dropped: free for others now, not a sync later
+                    await self._settle(tenant)
 
-    async def _settle(self, tenant: str) -> tuple[int, int | None]:
-        """One settle: the slots reported held, and those the ledger allowed (None: no answer)."""
+    async def _settle(self, tenant: str) -> bool:
+        """One settle; whether its answer dropped idle slots of the lease."""
         req, tok, held = self._book.surplus(tenant)
         sent = self._clock()
         try:
@@ -208,9 +209,10 @@ class QuotaClient:
         except Exception as e:  # ledger away
             log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
             self._book.owe(tenant, min(0.0, tok))
-            return held, None
+            return False
+        idle = self._book.lease(tenant).slots_free  # (requests charged meanwhile may have spent some)
         self._book.add(tenant, grant, sent)
-        return held, grant.slots_allowed
+        return self._book.lease(tenant).slots_free < idle
 
 
 async def _outlast(future: asyncio.Future) -> None:

@@ -20,8 +20,9 @@ is debited (a balance may go below zero; the next grant pays the debt). Unused b
 back to the ledger at each sync, so other replicas can spend them, and each sync and each
 question tells the ledger how many slots the replica holds in all (not a difference), so a
 lost call never leaks a slot for good, and idle slots a replica dropped are free at once. While
-a replica waits for a slot (refused one within `HOLDER_TTL_S`), no replica keeps an idle one: a
-sync drops them, and grants carry no spare.
+a replica waits for a slot (refused one within `HOLDER_TTL_S`), grants carry no spare slot and
+each sync drops a replica's idle ones and reports at once: the refused replica gets a slot
+within a sync round.
 
 A replica the ledger has not heard from for `HOLDER_TTL_S` is taken for dead and its slots go
 to others; so a replica alive but cut off spends idle slots only within `LEASE_FRESH_S` of
@@ -122,8 +123,8 @@ class QuotaLedger:
         """Take back unused requests and tokens (negative tokens: a debt, debited), record the
         slots the holder holds in all; report what remains and the slots it may keep (fewer
         when the ledger gave its slots away, so that idle ones are not spent twice; none idle
-        while another replica waits for a slot: its requests run on, and each slot goes back
-        as it ends)."""
+        while another replica waits for a slot: its requests run on, and their slots go back
+        at its syncs)."""
         acct = self._accounts[tenant]
         acct.seen[holder] = now
         if acct.requests is not None and requests > 0:
@@ -272,8 +273,8 @@ class LeaseBook:
         short_slot = new_request and q.max_concurrent is not None and lease.slots_free < 1
         if not (short_req or short_tok or short_slot):
             return None
-        # a debt is asked for with the request, but never more than a minute's: more was refused
-        # for good (too large for the quota) where the request itself fits, and need only wait
+        # never more than a minute's: a lease in debt (which the quota client settles before
+        # asking, unless the ledger is away) asked for more, refused for good as too large
         short = min(math.ceil(tokens - lease.tokens), q.tokens_per_min) if short_tok else 0
         return Need(requests=int(short_req), tokens=max(0, short),
                     slots=int(short_slot), extra_requests=self._chunk(q.requests_per_min),
