@@ -252,8 +252,11 @@ class PoolServer:
         controller's view, a report or two old; here the pool's own work is seen as it is."""
         gate = self._gate.gate
         s, limit = gate.stats(), gate.limits.max_active_seqs
+        # borrowed sequences here, this call's included, within the share: at least one, as at small
+        # limits the share rounds to none on each replica and the borrower's count over the pool rules
+        share = None if call.lend_max_share is None else max(1, int(call.lend_max_share * limit))
         return (s.own_idle_s >= call.lend_after_quiet_s and s.own_work < call.lend_below_utilisation * limit
-                and gate.borrowed_work() + call.n <= int(call.lend_max_share * limit))
+                and (share is None or gate.borrowed_work() + call.n <= share))
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
         """The engine's output for one call: the usage split off (a `Usage` item) and, for a

@@ -333,3 +333,25 @@ def test_a_lender_holds_borrowed_work_to_the_borrowers_share_in_sequences():
     for refused in (second, too_large, alone):
         assert isinstance(refused[0], Rejected) and refused[0].reason == "lender_busy" and len(refused) == 1
     assert isinstance(fits[0], Admitted) and isinstance(fits[-1], Finished)
+
+
+def test_a_borrowed_call_with_no_share_waits_in_the_queue():
+    """A calibration sweep's calls are borrowed, with no borrower's share: they wait for a slot
+    as before, where the share's check sent one home at a full replica, and the sweep counted
+    the refusal as an error (found by a review)."""
+    import dataclasses
+
+    async def go():
+        FakeEngine.release = asyncio.Event()
+        server = await make_server()
+        server._gate.gate.set_limits(BatchLimits(2, 10_000))
+        sweep = dataclasses.replace(call(PriorityClass.BORROWED), borrowed=True)
+        running = [asyncio.get_running_loop().create_task(collect(server, sweep)) for _ in range(2)]
+        await until(lambda: server._gate.gate.stats().borrowed_seqs == 2, "two sweep calls running")
+        third = asyncio.get_running_loop().create_task(collect(server, sweep))
+        await until(lambda: queued(server) == 1, "the third waiting")
+        FakeEngine.release.set()
+        return await third, await asyncio.gather(*running)
+
+    third, _ = asyncio.run(go())
+    assert isinstance(third[0], Admitted) and isinstance(third[-1], Finished)
