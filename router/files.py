@@ -64,6 +64,7 @@ class FileStore:
         self._root = Path(root)
         self._clock = clock
         self._objects = ReadOnce(READ_ONCE_BYTES)  # file objects are written once: never stale
+        self._failed: set[Path] = set()  # folders the last sweep could not sweep (logged once each)
 
     def _dir(self, tenant: str) -> Path:
         return tenant_dir(self._root, tenant) / "files"
@@ -150,24 +151,30 @@ class FileStore:
         """Remove every tenant's expired files but those whose content path is in `keep` and
         those of the tenant folders in `keep_tenants`, and what a crash left, theirs too (older
         than ORPHAN_GRACE_S: no write can still be under way). Like a list, it reads only the
-        file objects new since it last read the folder; a folder the volume will not list is
-        named in the log and swept once it lists, the others swept meanwhile."""
+        file objects new since it last read the folder (within the store's budget); a folder the
+        volume fails on is named in the log (once) and swept once it can be, the others meanwhile."""
         for folder in self._tenant_folders():
             try:
-                names = set(os.listdir(folder))
+                self._sweep_folder(folder, keep, folder.parent in keep_tenants)
             except FileNotFoundError:
                 continue
             except OSError as e:
-                log.warning("could not list %s to remove its expired files: %s", folder, e)
+                if folder not in self._failed:
+                    self._failed.add(folder)
+                    log.warning("could not remove the expired files of %s: %s", folder, e)
                 continue
-            if folder.parent not in keep_tenants:
-                for meta in self._objects.read(folder, _object_names(names), _readable_meta):
-                    if self._expired(meta) and folder / meta["id"] not in keep:
-                        self._remove(folder, meta["id"])
-            for name in names:
-                if _LEFT.fullmatch(name) and (name.startswith(".") or f"{name}.json" not in names) \
-                        and _changed_at(folder / name) < self._clock() - ORPHAN_GRACE_S:
-                    (folder / name).unlink(missing_ok=True)
+            self._failed.discard(folder)
+
+    def _sweep_folder(self, folder: Path, keep: set[Path], kept: bool) -> None:
+        names = set(os.listdir(folder))
+        if not kept:
+            for meta in self._objects.read(folder, _object_names(names), _readable_meta):
+                if self._expired(meta) and folder / meta["id"] not in keep:
+                    self._remove(folder, meta["id"])
+        for name in names:
+            if _LEFT.fullmatch(name) and (name.startswith(".") or f"{name}.json" not in names) \
+                    and _changed_at(folder / name) < self._clock() - ORPHAN_GRACE_S:
+                (folder / name).unlink(missing_ok=True)
 
     def _tenant_folders(self) -> list[Path]:
         """Each tenant's files' folder; a root the volume will not list raises (the caller logs it)."""

@@ -1,8 +1,8 @@
 """What the minutely sweep of tenants' files costs the batch service, and what it does with a
 folder the volume will not list. The sweep parsed every file object of every tenant at every
 sweep (10,000 files a tenant is the default cap) and stat'ed every content for its object,
-where a list reads only what is new; and it passed over a folder it could not list without a
-word, so that folder's expired files stayed for ever and nobody was told."""
+where a list reads only what is new; and a folder it could not list, or a file it could not
+remove, raised out of the sweep and stopped it for every tenant after that one."""
 
 from __future__ import annotations
 
@@ -75,3 +75,29 @@ def test_a_tenant_folder_the_volume_will_not_list_is_named_and_the_others_are_sw
         monkeypatch.setattr(os, name, call)
     files.sweep()
     assert not files.path("acme", gone["acme"]).exists(), "swept once the volume lists it again"
+
+
+def test_a_file_the_volume_will_not_remove_stops_no_other_tenants_sweep(tmp_path, monkeypatch, caplog):
+    """An unlink refused (EACCES, EROFS, a stale NFS handle) raised out of the sweep: no tenant
+    after that one was swept, and the batch service retried, with a traceback, at every poll.
+    It is named once, however many sweeps meet it (found by a review)."""
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    gone = {t: files.create(t, "in.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"] for t in ("acme", "globex")}
+    clock.now += 3600
+    refused = files.path("acme", "x").parent
+    unlink = Path.unlink
+
+    def refusing(self, *a, **k):
+        if self.parent == refused:
+            raise PermissionError(13, "Permission denied", str(self))
+        return unlink(self, *a, **k)
+    monkeypatch.setattr(Path, "unlink", refusing)
+    with caplog.at_level(logging.WARNING, logger="poolserve.router"):
+        files.sweep()
+        files.sweep()
+    assert not files.path("globex", gone["globex"]).exists(), "another tenant's expired file is swept"
+    assert len([r for r in caplog.records if str(refused) in r.getMessage()]) == 1, "named once"
+    monkeypatch.setattr(Path, "unlink", unlink)
+    files.sweep()
+    assert not files.path("acme", gone["acme"]).exists(), "swept once the volume lets it"
