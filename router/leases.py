@@ -141,7 +141,7 @@ class QuotaClient:
         A charge refused after that names the limit that ran short, never a lost race."""
         async with self._locks[tenant]:
             if self._book.lease(tenant).tokens < 0:  # a debt goes to the ledger first, so its answer's wait counts it
-                await self._settle(tenant)
+                await self._settle(tenant, wait_out=True)
             for _ in range(self.MAX_REFILLS):
                 need = self._book.try_charge(tenant, tokens, new_request, self._clock())
                 if isinstance(need, Charge):  # another request's refill covered this one too
@@ -200,18 +200,33 @@ class QuotaClient:
                 if await self._settle(tenant):  # idle slots dropped: free for others now, not a sync later
                     await self._settle(tenant)
 
-    async def _settle(self, tenant: str) -> bool:
-        """One settle; whether its answer dropped idle slots of the lease."""
+    async def _settle(self, tenant: str, wait_out: bool = False) -> bool:
+        """One settle; whether its answer dropped idle slots of the lease. `wait_out`: a caller
+        that leaves meanwhile still waits for the answer under the tenant's lock, as a grant's
+        does, and takes it in: a request's settle of its debt, left early, lost the debt when the
+        call then failed, and its late answer undid a grant made since (slots over the limit)."""
         req, tok, held = self._book.surplus(tenant)
         sent = self._clock()
+        call = asyncio.ensure_future(self._remote("settle", tenant, self._holder, req, tok, held))
         try:
-            grant = await asyncio.shield(self._remote("settle", tenant, self._holder, req, tok, held))
-        except Exception as e:  # ledger away
-            log.warning("quota ledger unreachable while settling %s: %r", tenant, e)
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if wait_out:
+                await _outlast(call)
+                self._settled(tenant, call, tok, sent)
+            raise
+        except Exception:
+            pass
+        return self._settled(tenant, call, tok, sent)
+
+    def _settled(self, tenant: str, call: asyncio.Future, tok: float, sent: float) -> bool:
+        if call.cancelled() or call.exception() is not None:  # ledger away
+            log.warning("quota ledger unreachable while settling %s: %r", tenant,
+                        "cancelled" if call.cancelled() else call.exception())
             self._book.owe(tenant, min(0.0, tok))
             return False
         idle = self._book.lease(tenant).slots_free  # (requests charged meanwhile may have spent some)
-        self._book.add(tenant, grant, sent)
+        self._book.add(tenant, call.result(), sent)
         return self._book.lease(tenant).slots_free < idle
 
 
