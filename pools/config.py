@@ -185,7 +185,7 @@ class QueueConfig(Frozen):
 class BorrowConfig(Frozen):
     into: str = Field(description="The pool whose idle capacity this pool's work may use.")
     max_share: float = Field(gt=0, le=1, description="Share of the target's limit (in sequences) borrowed work may "
-                                                     "use; the lender holds it to that.")
+                                                     "use; each lender replica holds it to that, or to one sequence.")
     while_below_utilisation: float = Field(gt=0, le=1, description="Borrow only while the target's own load "
                                                                    "is below this share of its capacity.")
     after_quiet_s: float = Field(5.0, ge=0, description="Borrow only once the target has had no request of its own "

@@ -118,8 +118,8 @@ class PoolCall:
     n: int = 1
     # a borrowed call: the lender takes it only while its own work has been away this long and
     # holds less than this share of its limit, and while borrowed work, this call's sequences
-    # included, holds at most `lend_max_share` of it (the borrower's rule, judged where it is exact;
-    # None: no share, as for a calibration sweep's calls, which wait in the queue)
+    # included, holds at most `lend_max_share` of it, or one sequence (the borrower's rule, judged
+    # where it is exact; None: no share, as for a calibration sweep's calls, which wait in the queue)
     lend_after_quiet_s: float = 0.0
     lend_below_utilisation: float = 1.0
     lend_max_share: float | None = None

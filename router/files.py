@@ -155,26 +155,36 @@ class FileStore:
         volume fails on is named in the log (once) and swept once it can be, the others meanwhile."""
         for folder in self._tenant_folders():
             try:
-                self._sweep_folder(folder, keep, folder.parent in keep_tenants)
+                failed = self._sweep_folder(folder, keep, folder.parent in keep_tenants)
             except FileNotFoundError:
-                continue
+                failed = None
             except OSError as e:
-                if folder not in self._failed:
-                    self._failed.add(folder)
-                    log.warning("could not remove the expired files of %s: %s", folder, e)
-                continue
-            self._failed.discard(folder)
+                failed = e
+            if failed is None:
+                self._failed.discard(folder)
+            elif folder not in self._failed:
+                self._failed.add(folder)
+                log.warning("could not remove the expired files of %s: %s", folder, failed)
 
-    def _sweep_folder(self, folder: Path, keep: set[Path], kept: bool) -> None:
-        names = set(os.listdir(folder))
-        if not kept:
-            for meta in self._objects.read(folder, _object_names(names), _readable_meta):
-                if self._expired(meta) and folder / meta["id"] not in keep:
-                    self._remove(folder, meta["id"])
+    def _sweep_folder(self, folder: Path, keep: set[Path], kept: bool) -> OSError | None:
+        """One tenant's folder swept; the volume's first failure on one of its files, if any
+        (the others are swept all the same: one stuck file held back the rest for good)."""
+        names, failed = set(os.listdir(folder)), None
+        expired = [] if kept else [m["id"] for m in self._objects.read(folder, _object_names(names), _readable_meta)
+                                   if self._expired(m) and folder / m["id"] not in keep]
+        for file_id in expired:
+            try:
+                self._remove(folder, file_id)
+            except OSError as e:
+                failed = failed or e
         for name in names:
-            if _LEFT.fullmatch(name) and (name.startswith(".") or f"{name}.json" not in names) \
-                    and _changed_at(folder / name) < self._clock() - ORPHAN_GRACE_S:
-                (folder / name).unlink(missing_ok=True)
+            if _LEFT.fullmatch(name) and (name.startswith(".") or f"{name}.json" not in names):
+                try:
+                    if _changed_at(folder / name) < self._clock() - ORPHAN_GRACE_S:
+                        (folder / name).unlink(missing_ok=True)
+                except OSError as e:
+                    failed = failed or e
+        return failed
 
     def _tenant_folders(self) -> list[Path]:
         """Each tenant's files' folder; a root the volume will not list raises (the caller logs it)."""

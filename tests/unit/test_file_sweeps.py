@@ -101,3 +101,19 @@ def test_a_file_the_volume_will_not_remove_stops_no_other_tenants_sweep(tmp_path
     monkeypatch.setattr(Path, "unlink", unlink)
     files.sweep()
     assert not files.path("acme", gone["acme"]).exists(), "swept once the volume lets it"
+
+
+def test_one_file_the_volume_will_not_remove_holds_back_none_of_its_tenants_others(tmp_path, monkeypatch):
+    """A sweep stopped a folder at its first refused unlink: the files after it, in an order
+    that stays the same in a process, were never removed and counted in the tenant's share
+    for good, though the tenant could not see them to delete them (found by a review)."""
+    clock = Clock()
+    files = FileStore(tmp_path, clock)
+    ids = [files.create("acme", "in.jsonl", "batch", b"{}\n", expires_after_s=3600)["id"] for _ in range(20)]
+    clock.now += 3600
+    stuck = files.path("acme", ids[7]).with_suffix(".json")
+    unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, *a, **k: (_ for _ in ()).throw(PermissionError(13, "no", str(self)))
+                        if self == stuck else unlink(self, *a, **k))
+    files.sweep()
+    assert sorted(p.name for p in stuck.parent.iterdir()) == sorted([ids[7], stuck.name])
