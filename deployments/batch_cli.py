@@ -20,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from deployments.batch_job import at_least_one
 from infra.wire import no_proxy_to_loopback, trust_env
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -161,7 +162,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--key-file", help="a file on the cluster holding the key, instead of passing it")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="the router, as the cluster sees it")
     s.add_argument("--pool", default="offline")
-    s.add_argument("--concurrency", type=int, default=64)
+    s.add_argument("--concurrency", type=at_least_one, default=64)
     s.add_argument("--job-id", help="a submission id of your choice")
     s.set_defaults(fn=_cmd_submit)
     for name, fn, text in (("status", _cmd_status, "a job's status"), ("logs", _cmd_logs, "a job's logs"),

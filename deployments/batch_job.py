@@ -16,9 +16,10 @@ offline pool:
 * Resumable: a rerun with the same output skips the custom_ids already written.
 * 429 and 503 are retried after `Retry-After` (plus jitter), with exponential back-off
   when there is none, capped, up to `--max-attempts`; a 429 of the tenant's own quota
-  (`*_quota_exceeded`) is waited out without counting, as it only paces the job (the batch's
-  window bounds it), and one the quota can never fit is not retried. Other failures become
-  error lines and the job goes on.
+  (`*_quota_exceeded`) or of a live pool's back-pressure (`queue_full`, `evicted`,
+  `pool_busy`) is waited out without counting, as it only paces the job (the batch's window
+  bounds it), and one the quota can never fit is not retried. Other failures, a line's own
+  included, become error lines and the job goes on.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from infra.batchfile import BatchRequest, completed_ids, jsonl_lines, read_input
 from infra.wire import trust_env
 
 RETRY_STATUSES = {429, 503}
+# 429s that pace the job rather than fail its line: the tenant's own quota, and a live pool's
+# back-pressure (its queue full, a more important request's eviction, no replica free to pick
+# the request up); counted as attempts, they failed lines for good while the pool was busy
+PACING = ("_quota_exceeded", "queue_full", "evicted", "pool_busy")
 
 
 # -- retries (pure, clock and randomness injected) -------------------------------------------
@@ -182,10 +187,9 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
-        quota_wait = status == 429 and code is not None and code.endswith("_quota_exceeded")
-        if not quota_wait:
+        if not (status == 429 and code is not None and code.endswith(PACING)):
             attempt += 1
-            if attempt == policy.max_attempts:
+            if attempt >= policy.max_attempts:
                 break
         progress.retried += 1
         await sleep(policy.delay(max(1, attempt), wait, rng))
@@ -213,7 +217,13 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
     async def worker(client):
         while not queue.empty():
             req = queue.get_nowait()
-            writer.write(await run_one(client, base, key, req, policy, rng, progress))
+            try:
+                line = await run_one(client, base, key, req, policy, rng, progress)
+            except Exception as e:  # this line's, not the job's: it is answered with the error, the others go on
+                progress.failed += 1
+                line = result_line(req.custom_id, None, None, None,
+                                   {"code": "request_failed", "message": f"{type(e).__name__}: {e}"})
+            writer.write(line)
 
     async def report():
         while True:
@@ -233,6 +243,13 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
     return progress
 
 
+def at_least_one(text: str) -> int:
+    """A count of 1 or more: 0 workers answered no line and succeeded, 0 attempts retried for ever."""
+    if not (text.strip().isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deployments.batch_job", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True)
@@ -240,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
     p.add_argument("--pool", default="offline", help="route prefix of the pool ('' for the tenant's default)")
     p.add_argument("--key-file", help="file with the tenant key (default: $POOLSERVE_KEY)")
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--max-attempts", type=int, default=8)
+    p.add_argument("--concurrency", type=at_least_one, default=64)
+    p.add_argument("--max-attempts", type=at_least_one, default=8)
     p.add_argument("--retry-cap", type=float, default=60.0)
     p.add_argument("--skip-invalid", action="store_true", help="send the valid lines of a file with problems")
     p.add_argument("--progress-every", type=float, default=10.0)

@@ -31,10 +31,16 @@ class LineProblem:
 
 def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     try:
-        item = json.loads(text)
-    except ValueError as e:
+        item = json.loads(text, parse_constant=_not_json)
+    except json.JSONDecodeError as e:
         # json's "Unterminated string starting at" names the column itself
         return LineProblem(number, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
+    except ValueError as e:  # NaN or Infinity, which Python's json takes and no request can be sent with
+        return LineProblem(number, str(e))
+    try:  # a lone surrogate (an escape from \ud800 to \udfff outside a pair) made the job raise sending it
+        json.dumps(item, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return LineProblem(number, "holds a lone UTF-16 surrogate escape, which is no Unicode text")
     if not isinstance(item, dict):
         return LineProblem(number, "must be a JSON object with custom_id, method, url and body")
     cid = item.get("custom_id")
@@ -49,6 +55,10 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     if not isinstance(body, dict):
         return LineProblem(number, "body must be a JSON object (the request body)")
     return BatchRequest(number, cid, ENDPOINTS[url], body)
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON: send a number, or leave the field out")
 
 
 def jsonl_lines(data: bytes, errors: str = "strict") -> list[str]:

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
 from router.errors import ApiError
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # an escape in the surrogates' range: checked after parsing
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,20 @@ async def read_json(request: Request, limits: BodyLimits) -> dict:
         raise ApiError(400, "invalid_json", "the request body must be a JSON object")
     if depth(data) > limits.max_depth:
         raise _too_deep(limits.max_depth)
+    if _SURROGATE.search(raw) and not _unicode(data):
+        raise ApiError(400, "invalid_json", "the request body holds a lone UTF-16 surrogate (an escape from \\ud800 "
+                                            "to \\udfff outside a pair), which is no Unicode text: send UTF-8")
     return data
+
+
+def _unicode(data: Any) -> bool:
+    """Whether every string in a parsed body is Unicode text: JSON's escapes may make a lone
+    surrogate, which no encoder takes (a grammar's size check raised on one: a 500)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_deep(limit: int) -> ApiError:

@@ -41,12 +41,15 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> Any:
-        from starlette.responses import JSONResponse
+        from starlette.responses import Response
 
         headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["retry-after"] = str(retry_after_header(self.retry_after_s))
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        # ASCII, escaped: a message that repeats the client's text (vLLM's do) may hold a lone
+        # surrogate, which Starlette's strict UTF-8 encoding turned into a 500
+        return Response(json.dumps(self.body()), status_code=self.status, headers=headers,
+                        media_type="application/json")
 
 
 def retry_after_header(seconds: float) -> int:

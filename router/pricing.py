@@ -110,8 +110,11 @@ class Pricer:
             raise ApiError(400, "missing_field", "field 'prompt' is required", "prompt")
         client_usage = False
         if data.get("stream"):
-            opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
-            client_usage = bool(opts.get("include_usage"))
+            opts = data.get("stream_options") or {}
+            if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+                raise ApiError(400, "invalid_value", "stream_options must be an object such as "
+                                                     "{\"include_usage\": true} (true or false)", "stream_options")
+            client_usage = opts.get("include_usage", False)
             data = {**data, "stream_options": {**opts, "include_usage": True}}
         return _model(kind, data), client_usage
 

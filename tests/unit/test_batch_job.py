@@ -31,6 +31,12 @@ def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:
     (line(url="/v1/embeddings"), "url '/v1/embeddings'"),
     (line(body="hello"), "body must be a JSON object"),
     (line(method="GET"), "only POST"),
+    # Python's json takes these and httpx sends neither: the job raised on the line and died,
+    # every attempt, failing the whole batch (found by a review)
+    (line(body={"prompt": "p"}).replace('"p"}', '"p", "temperature": NaN}'), "NaN is not JSON"),
+    (line(body={"prompt": "p"}).replace('"p"}', '"p", "top_p": -Infinity}'), "-Infinity is not JSON"),
+    (line(cid="\ud800", body={"prompt": "p"}), "lone UTF-16 surrogate"),
+    (line(body={"prompt": "p"}).replace('"p"}', '"\\ud800"}'), "lone UTF-16 surrogate"),
 ])
 def test_bad_lines_are_named(text, fragment):
     p = parse_line(3, text)
@@ -177,6 +183,50 @@ def test_503_forever_gives_up_after_max_attempts():
     out, progress, calls, slept = _run(busy)
     assert len(calls) == 4 and slept == [1.0, 2.0, 4.0] and out["response"]["status_code"] == 503
     assert progress.failed == 1 and progress.retried == 3
+
+
+def test_a_live_pools_back_pressure_paces_the_job_and_fails_no_line():
+    """A pool's queue full, an eviction by more important work, no replica free to pick the
+    request up: each counted as an attempt, and eight of them failed the line for good (a
+    resumed job skips it as answered) while the pool was only busy (found by a review)."""
+    busy = [httpx.Response(429, headers={"retry-after": "2"}, json={"error": {"code": code}})
+            for code in ["queue_full", "evicted", "pool_busy"] * 3]
+    out, progress, calls, _ = _run(busy + [httpx.Response(200, json={"usage": {"total_tokens": 5}})])
+    assert out["response"]["status_code"] == 200 and len(calls) == 10 and progress.failed == 0
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--max-attempts"])
+def test_a_count_below_one_is_refused(flag, tmp_path, capsys):
+    """--concurrency 0 started no worker and the job succeeded with no line answered;
+    --max-attempts 0 retried a failing line for ever (found by a review)."""
+    from deployments.batch_job import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), flag, "0"])
+    assert e.value.code == 2 and "1 or more" in capsys.readouterr().err
+
+
+def test_a_line_the_job_cannot_send_is_answered_with_its_error_and_the_others_go_on(tmp_path):
+    """One line whose sending raised (not an HTTP error) ended the job, dropping the lines in
+    flight and failing every attempt of the batch (found by a review)."""
+    from deployments.batch_job import run
+
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["prompt"])
+        return httpx.Response(200, json={"usage": {"total_tokens": 1}})
+
+    real = httpx.AsyncClient
+    lines = [BatchRequest(1, "a", "completions", {"prompt": "a"}),
+             BatchRequest(2, "b", "completions", {"prompt": "b", "temperature": float("nan")}),
+             BatchRequest(3, "c", "completions", {"prompt": "c"})]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(httpx, "AsyncClient", lambda **k: real(transport=httpx.MockTransport(handler)))
+        progress = asyncio.run(run(lines, tmp_path / "out.jsonl", "http://r/offline/v1", "k", 1, RetryPolicy()))
+    rows = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert sorted(sent) == ["a", "c"] and progress.failed == 1 and progress.done == 2
+    assert rows["b"]["error"]["code"] == "request_failed" and "ValueError" in rows["b"]["error"]["message"]
 
 
 def test_an_entrypoint_keeps_paths_whole_and_runs_nothing_in_them():

@@ -31,6 +31,9 @@ def pricer() -> Pricer:
     # vLLM's beam search sends each step to the engine at priority 0, above every class's
     ({"messages": MSG, "use_beam_search": True}, "use_beam_search", "priority"),
     ({"messages": MSG, "use_beam_search": 1}, "use_beam_search", "priority"),
+    # a stream's options not an object, or include_usage not a boolean ("false" read as true)
+    ({"messages": MSG, "stream": True, "stream_options": "yes"}, "stream_options", "object"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", "true"),
 ])
 def test_bad_bodies_are_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as e:
@@ -80,3 +83,24 @@ def test_the_engines_refusal_names_the_field_it_was_about(error, param):
     with pytest.raises(ApiError) as e:
         asyncio.run(Pricer("m", 64, Refusing()).price("chat", {"messages": MSG, "max_tokens": 4}))
     assert e.value.status == 400 and e.value.param == param and "the engine would refuse" in e.value.message
+
+
+def test_a_lone_surrogate_is_a_400_and_an_error_repeating_one_still_renders():
+    """JSON's \\ud800 parses to a string no encoder takes: a grammar's size check raised on it,
+    and an error message of vLLM's that repeats the client's text made Starlette's strict
+    encoding raise building the 400; both were 500s (found by a review)."""
+    from starlette.requests import Request
+
+    from router.body import BodyLimits, read_json
+
+    def body_of(raw: bytes):
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return asyncio.run(read_json(Request({"type": "http", "headers": []}, receive), BodyLimits(1 << 20, 5, 64)))
+
+    with pytest.raises(ApiError) as e:
+        body_of(b'{"messages": [], "response_format": {"type": "json_object", "x": "\\ud800"}}')
+    assert e.value.status == 400 and "surrogate" in e.value.message
+    assert body_of(b'{"prompt": "\\ud83d\\ude00 \\\\ud800"}')["prompt"] == "\U0001F600 \\ud800"  # a pair; an escaped \\
+    echoed = ApiError(400, "invalid_value", "Invalid value for tool_choice: \ud800", "tool_choice").response()
+    assert echoed.status_code == 400 and b"\\ud800" in echoed.body
