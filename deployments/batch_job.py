@@ -34,6 +34,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,6 +58,9 @@ class RetryPolicy:
     base_s: float = 1.0
     cap_s: float = 60.0
     jitter: float = 0.25  # up to +25%: clients told the same Retry-After do not return together
+    # a line paced this long in all fails with its last answer: a pool answering back-pressure
+    # for good (a wedged engine whose replica still reports) held a job with no batch window for ever
+    max_paced_s: float = 24 * 3600.0
 
     def delay(self, attempt: int, retry_after_s: float | None, rng: random.Random) -> float:
         """Seconds to wait before attempt `attempt + 1` (attempt counts from 1)."""
@@ -166,7 +170,7 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
     headers = {"Authorization": f"Bearer {key}", "x-request-id": request_id(req.custom_id)}
     # whole answers, as OpenAI's batches give; vLLM refuses stream_options without a stream
     payload = {k: v for k, v in req.body.items() if k != "stream_options"} | {"stream": False}
-    attempt = 0  # failed attempts; waiting for the tenant's own quota to refill is not one
+    attempt, paced = 0, 0.0  # failed attempts (waiting to be paced is not one), and the seconds paced
     while True:
         try:
             r = await client.post(url, json=payload, headers=headers)
@@ -182,17 +186,23 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
             code = error_code(body)
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
                 if status == 200:
+                    usage = body.get("usage") if isinstance(body, dict) else None
                     progress.done += 1
-                    progress.tokens += (body.get("usage") or {}).get("total_tokens", 0)
+                    progress.tokens += usage.get("total_tokens", 0) if isinstance(usage, dict) else 0
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
-        if not (status == 429 and code is not None and code.endswith(PACING)):
+        pacing = status == 429 and code is not None and code.endswith(PACING)
+        if not pacing:
             attempt += 1
             if attempt >= policy.max_attempts:
                 break
+        elif paced >= policy.max_paced_s:
+            break
+        delay = policy.delay(max(1, attempt), wait, rng)
+        paced += delay if pacing else 0.0
         progress.retried += 1
-        await sleep(policy.delay(max(1, attempt), wait, rng))
+        await sleep(delay)
     progress.failed += 1
     if status is not None:
         return result_line(req.custom_id, status, body, None)
@@ -220,6 +230,7 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
             try:
                 line = await run_one(client, base, key, req, policy, rng, progress)
             except Exception as e:  # this line's, not the job's: it is answered with the error, the others go on
+                traceback.print_exc()  # in the job's logs
                 progress.failed += 1
                 line = result_line(req.custom_id, None, None, None,
                                    {"code": "request_failed", "message": f"{type(e).__name__}: {e}"})

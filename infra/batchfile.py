@@ -4,6 +4,7 @@ and what a (possibly crashed) output file already holds. Pure: no network, no Ra
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ class LineProblem:
 
 def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
     try:
-        item = json.loads(text, parse_constant=_not_json)
+        item = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except json.JSONDecodeError as e:
         # json's "Unterminated string starting at" names the column itself
         return LineProblem(number, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
@@ -59,6 +60,12 @@ def parse_line(number: int, text: str) -> BatchRequest | LineProblem:
 
 def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not JSON: send a number, or leave the field out")
+
+
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is too large for a number: send a smaller one")
+    return value
 
 
 def jsonl_lines(data: bytes, errors: str = "strict") -> list[str]:

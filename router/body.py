@@ -54,10 +54,20 @@ async def read_json(request: Request, limits: BodyLimits) -> dict:
         raise ApiError(400, "invalid_json", "the request body must be a JSON object")
     if depth(data) > limits.max_depth:
         raise _too_deep(limits.max_depth)
-    if _SURROGATE.search(raw) and not _unicode(data):
+    if _maybe_surrogates(raw) and not _unicode(data):
         raise ApiError(400, "invalid_json", "the request body holds a lone UTF-16 surrogate (an escape from \\ud800 "
                                             "to \\udfff outside a pair), which is no Unicode text: send UTF-8")
     return data
+
+
+def _maybe_surrogates(raw: bytes) -> bool:
+    """Whether a body may hold a lone surrogate: an escape in their range, or bytes that are not
+    UTF-8 (json reads a surrogate's own bytes, and UTF-16 or UTF-32, all the same)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return _SURROGATE.search(raw) is not None
 
 
 def _unicode(data: Any) -> bool:

@@ -110,11 +110,12 @@ class Pricer:
             raise ApiError(400, "missing_field", "field 'prompt' is required", "prompt")
         client_usage = False
         if data.get("stream"):
-            opts = data.get("stream_options") or {}
-            if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            opts = {} if data.get("stream_options") is None else data["stream_options"]
+            if not isinstance(opts, dict) or not (opts.get("include_usage") is None
+                                                  or isinstance(opts["include_usage"], bool)):
                 raise ApiError(400, "invalid_value", "stream_options must be an object such as "
                                                      "{\"include_usage\": true} (true or false)", "stream_options")
-            client_usage = opts.get("include_usage", False)
+            client_usage = opts.get("include_usage") is True
             data = {**data, "stream_options": {**opts, "include_usage": True}}
         return _model(kind, data), client_usage
 

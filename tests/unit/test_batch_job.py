@@ -31,6 +31,7 @@ def line(cid="a", url="/v1/chat/completions", body=None, **extra) -> str:
     (line(url="/v1/embeddings"), "url '/v1/embeddings'"),
     (line(body="hello"), "body must be a JSON object"),
     (line(method="GET"), "only POST"),
+    (line(body={"prompt": "p"}).replace('"p"}', '"p", "temperature": 1e999}'), "too large for a number"),
     # Python's json takes these and httpx sends neither: the job raised on the line and died,
     # every attempt, failing the whole batch (found by a review)
     (line(body={"prompt": "p"}).replace('"p"}', '"p", "temperature": NaN}'), "NaN is not JSON"),
@@ -193,6 +194,10 @@ def test_a_live_pools_back_pressure_paces_the_job_and_fails_no_line():
             for code in ["queue_full", "evicted", "pool_busy"] * 3]
     out, progress, calls, _ = _run(busy + [httpx.Response(200, json={"usage": {"total_tokens": 5}})])
     assert out["response"]["status_code"] == 200 and len(calls) == 10 and progress.failed == 0
+    # ...but not for ever: a pool that answers back-pressure for good (a wedged engine whose
+    # replica still reports) held a job with no batch window for ever
+    out, progress, calls, slept = _run(busy, RetryPolicy(max_attempts=4, max_paced_s=5.0))
+    assert out["response"]["status_code"] == 429 and progress.failed == 1 and len(calls) == 4 and sum(slept) == 6.0
 
 
 @pytest.mark.parametrize("flag", ["--concurrency", "--max-attempts"])

@@ -34,6 +34,7 @@ def pricer() -> Pricer:
     # a stream's options not an object, or include_usage not a boolean ("false" read as true)
     ({"messages": MSG, "stream": True, "stream_options": "yes"}, "stream_options", "object"),
     ({"messages": MSG, "stream": True, "stream_options": {"include_usage": "false"}}, "stream_options", "true"),
+    ({"messages": MSG, "stream": True, "stream_options": False}, "stream_options", "object"),
 ])
 def test_bad_bodies_are_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as e:
@@ -102,5 +103,9 @@ def test_a_lone_surrogate_is_a_400_and_an_error_repeating_one_still_renders():
         body_of(b'{"messages": [], "response_format": {"type": "json_object", "x": "\\ud800"}}')
     assert e.value.status == 400 and "surrogate" in e.value.message
     assert body_of(b'{"prompt": "\\ud83d\\ude00 \\\\ud800"}')["prompt"] == "\U0001F600 \\ud800"  # a pair; an escaped \\
+    with pytest.raises(ApiError):  # a surrogate's own bytes, which json reads all the same
+        body_of(b'{"prompt": "\xed\xa0\x80"}')
+    assert pricer().validate("chat", {"messages": MSG, "stream": True, "stream_options": {"include_usage": None}})[1] \
+        is False
     echoed = ApiError(400, "invalid_value", "Invalid value for tool_choice: \ud800", "tool_choice").response()
     assert echoed.status_code == 400 and b"\\ud800" in echoed.body
