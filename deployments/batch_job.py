@@ -187,8 +187,9 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
                 if status == 200:
                     usage = body.get("usage") if isinstance(body, dict) else None
+                    tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
                     progress.done += 1
-                    progress.tokens += usage.get("total_tokens", 0) if isinstance(usage, dict) else 0
+                    progress.tokens += tokens if isinstance(tokens, int) else 0
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))

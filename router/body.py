@@ -61,13 +61,14 @@ async def read_json(request: Request, limits: BodyLimits) -> dict:
 
 
 def _maybe_surrogates(raw: bytes) -> bool:
-    """Whether a body may hold a lone surrogate: an escape in their range, or bytes that are not
-    UTF-8 (json reads a surrogate's own bytes, and UTF-16 or UTF-32, all the same)."""
+    """Whether a body may hold a lone surrogate: an escape in their range, bytes that are not
+    UTF-8 (json reads a surrogate's own bytes all the same), or zero bytes (json reads UTF-16
+    and UTF-32 without a byte-order mark too, and its escapes then hide between them)."""
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError:
         return True
-    return _SURROGATE.search(raw) is not None
+    return b"\x00" in raw or _SURROGATE.search(raw) is not None
 
 
 def _unicode(data: Any) -> bool:

@@ -103,8 +103,9 @@ def test_a_lone_surrogate_is_a_400_and_an_error_repeating_one_still_renders():
         body_of(b'{"messages": [], "response_format": {"type": "json_object", "x": "\\ud800"}}')
     assert e.value.status == 400 and "surrogate" in e.value.message
     assert body_of(b'{"prompt": "\\ud83d\\ude00 \\\\ud800"}')["prompt"] == "\U0001F600 \\ud800"  # a pair; an escaped \\
-    with pytest.raises(ApiError):  # a surrogate's own bytes, which json reads all the same
-        body_of(b'{"prompt": "\xed\xa0\x80"}')
+    for raw in (b'{"prompt": "\xed\xa0\x80"}', '{"prompt": "\\ud800"}'.encode("utf-16-le")):
+        with pytest.raises(ApiError):  # a surrogate's own bytes, or UTF-16 with no mark: json reads both
+            body_of(raw)
     assert pricer().validate("chat", {"messages": MSG, "stream": True, "stream_options": {"include_usage": None}})[1] \
         is False
     echoed = ApiError(400, "invalid_value", "Invalid value for tool_choice: \ud800", "tool_choice").response()
