@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, NamedTuple
 
+from infra.bounds import within
 from pools.types import CountedPrompt
 
 log = logging.getLogger("poolserve.pool")
@@ -183,8 +184,6 @@ class RayLLMEngine:
         self._handover: _Handover | None = None
 
     async def start(self) -> None:
-        import asyncio
-
         from pools.engine import drop_engine_overrides
 
         if dropped := drop_engine_overrides():
@@ -192,7 +191,7 @@ class RayLLMEngine:
         self._engine = _stat_logging_engine_cls(self)(self._llm_config)
         if not needs_node_download(self._llm_config):
             self._llm_config.get_or_create_callback().ctx.run_init_node = False
-        await asyncio.wait_for(self._engine.start(), self.START_TIMEOUT_S)
+        await within(self.START_TIMEOUT_S, self._engine.start())
         if (handover := _Handover.install(self._engine)) is None:
             log.warning("the engine's serving layers have no one renderer to stand in for: every prompt is "
                         "rendered twice, by the route and by the engine")

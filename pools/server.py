@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncGenerator, AsyncIterator
 
+from infra.bounds import within
 from infra.logs import configure_logging
 from infra.loops import Loops
 from infra.metrics import PoolMetrics
@@ -348,7 +349,7 @@ class PoolServer:
                 self._told_deep = None
             self._metrics.state(stats.gate, stats.engine, stats.safe_range)
             timeout = max(2.0, self._settings.report_interval_s * 2)
-            self._apply(await asyncio.wait_for(self._controller.report.remote(stats), timeout))
+            self._apply(await within(timeout, self._controller.report.remote(stats)))
 
     def _tell_deep_queue(self) -> None:
         """Report now, not at the next report, when the pool's own work queues as deep as the

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from infra.bounds import within
 from infra.logs import configure_logging
 from infra.loops import Loops
 from infra.metrics import RouterMetrics
@@ -226,7 +227,7 @@ class Router:
     async def _refresh_views(self) -> None:
         """Pool capacity and queues from the controller, and the quota gauges re-exported (Ray
         drops a gauge that is not refreshed). A view the controller stops sending goes stale."""
-        self._loads.update_views(await asyncio.wait_for(self._controller.views.remote(), timeout=5))
+        self._loads.update_views(await within(5, self._controller.views.remote()))
         for t in self._s.tenants:
             self._metrics.remaining(t.name, *self._quota.remaining(t.name))
 

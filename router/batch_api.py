@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from infra.batchfile import jsonl_lines, read_input
+from infra.bounds import Overdue, within
 from router.auth import Auth, bearer
 from router.body import BodyLimits, read_json
 from router.config import TenantConfig
@@ -77,11 +78,8 @@ class BatchApi:
     async def _arrival(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
         """The upload, once it arrived within `upload_timeout_s`."""
         try:
-            async with asyncio.timeout(self._s.upload_timeout_s) as arrival:
-                return await self._receive(request, limit)
-        except TimeoutError:
-            if not arrival.expired():  # another's (an OSError of ETIMEDOUT is one), not the upload's
-                raise
+            return await within(self._s.upload_timeout_s, self._receive(request, limit))
+        except Overdue:
             raise ApiError(408, "upload_timeout", f"the file did not arrive within batches.upload_timeout_s "
                                                   f"({self._s.upload_timeout_s:g} s); send it faster, or split it",
                            "file") from None

@@ -8,6 +8,7 @@ import functools
 import time
 from typing import Any, Callable
 
+from infra.bounds import Overdue, within
 from infra.loops import Loops
 from router import batch_records
 from router.batches import Batches, BatchSettings, JobRunner, busy
@@ -44,8 +45,8 @@ class BatchService:
             # a create or a cancel waits LOCK_WAIT_S in all, for this service's turn and another's
             deadline = time.monotonic() + batch_records.LOCK_WAIT_S
             try:
-                await asyncio.wait_for(self._lock.acquire(), batch_records.LOCK_WAIT_S)
-            except TimeoutError:
+                await within(batch_records.LOCK_WAIT_S, self._lock.acquire())
+            except Overdue:
                 raise busy() from None
             try:
                 return {"ok": await asyncio.to_thread(functools.partial(

@@ -8,7 +8,6 @@ exhausting the parser's recursion.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from infra.bounds import Overdue, within
 from router.errors import ApiError
 
 
@@ -90,12 +90,9 @@ async def read(request: Request, limits: BodyLimits) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise ApiError(413, "body_too_large", f"request body is {declared} bytes; the limit is {limits.max_bytes}")
-    try:  # not wait_for: 3.11's returned a body that came with the client's leaving, and the route went on
-        async with asyncio.timeout(limits.timeout_s) as arrival:
-            return await _collect(request, limits.max_bytes)
-    except TimeoutError:
-        if not arrival.expired():
-            raise
+    try:
+        return await within(limits.timeout_s, _collect(request, limits.max_bytes))
+    except Overdue:
         raise ApiError(408, "body_timeout", f"the request body did not arrive within {limits.timeout_s:g}s "
                                             "(router.body_timeout_s)") from None
 

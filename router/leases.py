@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
+from infra.bounds import within
 from infra.state import StateStore
 from router.quota import Charge, Denied, Grant, LeaseBook, Need, Quota, QuotaLedger
 
@@ -185,7 +186,7 @@ class QuotaClient:
 
     async def _remote(self, method: str, *args):
         fn = getattr(self._ledger, method)
-        return await asyncio.wait_for(fn.remote(*args) if hasattr(fn, "remote") else fn(*args), self._call_timeout_s)
+        return await within(self._call_timeout_s, fn.remote(*args) if hasattr(fn, "remote") else fn(*args))
 
     async def sync(self) -> None:
         """Hand unused balances back so other router replicas can spend them, and tell the

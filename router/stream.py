@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
+from infra.bounds import Overdue, within
 from pools.types import Admitted, Arrived, Finished, PriorityClass, Refused, Rejected, Usage
 from router.config import TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
@@ -121,12 +122,9 @@ class PoolStream:
         """The gate's verdict. Reaching a replica is bounded by `reach_timeout_s` (none took the
         call: it is restarting, or swamped); the wait in its queue is not."""
         with loads.waiting(self.pool, cls):
-            try:  # (3.11's wait_for returned an item that came with the client's leaving, and went on)
-                async with asyncio.timeout(reach_timeout_s) as reach:
-                    first = await self._gen.__anext__()
-            except TimeoutError:
-                if not reach.expired():  # another's, not the bound's
-                    raise
+            try:
+                first = await within(reach_timeout_s, self._gen.__anext__())
+            except Overdue:
                 self.cancel()
                 raise self._unreached(loads, reach_timeout_s) from None
             self._s.mark("arrived")
