@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from router.errors import ApiError
-from router.files import READ_ONCE_BYTES, ReadOnce, tenant_dir, write_whole
+from router.files import READ_ONCE_BYTES, ReadOnce, tenant_dir, tenant_folders, write_whole
 
 log = logging.getLogger("poolserve.router")
 
@@ -323,18 +323,7 @@ class BatchStore:
             self._unreadable.add(path)
 
     def _tenants(self) -> list[Path]:
-        try:
-            with os.scandir(self._root) as entries:
-                return [Path(e.path) for e in entries if self._is_folder(e)]
-        except FileNotFoundError:
-            return []
-
-    def _is_folder(self, entry: os.DirEntry) -> bool:
-        try:
-            return entry.is_dir()
-        except OSError:  # one entry the volume fails on (a symlink loop, say) stops no other tenant
-            self._cannot_read(Path(entry.path), tenant=Path(entry.path))
-            return False
+        return tenant_folders(self._root, lambda path: self._cannot_read(path, tenant=path))
 
     def _scan(self, folder: Path, tenant: Path) -> list[os.DirEntry] | None:
         """A folder's entries; None for one the volume fails to list, which holds what is

@@ -188,11 +188,7 @@ class FileStore:
 
     def _tenant_folders(self) -> list[Path]:
         """Each tenant's files' folder; a root the volume will not list raises (the caller logs it)."""
-        try:
-            with os.scandir(self._root) as entries:
-                return [Path(e.path) / "files" for e in entries if _is_folder(e)]
-        except FileNotFoundError:
-            return []
+        return [folder / "files" for folder in tenant_folders(self._root)]
 
     def _remove(self, folder: Path, file_id: str) -> None:
         (folder / f"{file_id}.json").unlink(missing_ok=True)  # the object first: a file exists while it does
@@ -290,11 +286,22 @@ def _leftovers_and_contents(folder: Path) -> list[os.DirEntry]:
         return []
 
 
-def _is_folder(entry: os.DirEntry) -> bool:
+def tenant_folders(root: Path, failed: Callable[[Path], None] = lambda path: None) -> list[Path]:
+    """The tenants' folders under `root` (none before the first is made). An entry the volume
+    fails on (a symlink loop) is passed to `failed` and stops no other tenant's; a root the
+    volume will not list raises."""
+    folders = []
     try:
-        return entry.is_dir()
-    except OSError:  # one entry the volume fails on (a symlink loop) stops no tenant's sweep
-        return False
+        with os.scandir(root) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir():
+                        folders.append(Path(entry.path))
+                except OSError:
+                    failed(Path(entry.path))
+    except FileNotFoundError:
+        return []
+    return folders
 
 
 def _object_names(names: Iterable[str]) -> list[str]:
