@@ -347,7 +347,8 @@ def build_batches(resolved: Resolved) -> Application | None:
     settings = BatchSettings(resolved.batches_dir, c.batches.router_url or f"http://127.0.0.1:{c.router.port}",
                              resolved.pools[resolved.batch_pool].config.route_prefix.lstrip("/"),
                              c.batches.concurrency, c.batches.max_attempts, c.batches.max_lines,
-                             c.batches.max_active_per_tenant)
+                             c.batches.max_active_per_tenant,
+                             {t.name: t.quota.max_concurrent for t in c.tenants if t.quota.max_concurrent})
     return serve.deployment(closed_on_shutdown(BatchService), name=BATCHES, num_replicas=1, max_ongoing_requests=1000,
                             ray_actor_options={"num_cpus": 0}, logging_config=internal_logging(resolved)).bind(
         settings, RayJobRunner(c.batches.dashboard_url), c.batches.poll_interval_s)

@@ -30,9 +30,9 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from infra.batchfile import ENDPOINTS, jsonl_lines, read_input, result_line
 from router.batch_records import TERMINAL, BatchStore, answered, output_rows
@@ -66,6 +66,9 @@ class BatchSettings:
     max_attempts: int = 3
     max_lines: int = 50_000
     max_active: int = 8  # unfinished batches per tenant
+    # a tenant's quota.max_concurrent: a job keeping more requests outstanding has the rest refused
+    # (429) and retried every second, load on the router and the ledger that buys nothing
+    tenant_concurrency: Mapping[str, int] = field(default_factory=dict)
 
 
 class Batches:
@@ -270,7 +273,9 @@ class Batches:
             return
         args = ["--input", str(path),
                 "--output", str(self._store.output(record)), "--key-file", str(self._store.folder(record) / "key"),
-                "--url", self._s.router_url, "--pool", self._s.pool_prefix, "--concurrency", str(self._s.concurrency)]
+                "--url", self._s.router_url, "--pool", self._s.pool_prefix,
+                "--concurrency", str(min(self._s.concurrency,
+                                         self._s.tenant_concurrency.get(record["_tenant"], self._s.concurrency)))]
         record["_job"] = self._runner.submit(_job_name(record, record["_attempts"] + 1), args)
         record["_attempts"] += 1
         if record["status"] == "validating":

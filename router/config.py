@@ -156,7 +156,8 @@ class BatchesConfig(Frozen):
         "starts (8265, or the first free port after it). Ray's job client takes `RAY_API_SERVER_ADDRESS` or "
         "`RAY_ADDRESS` over it where either is set, as KubeRay sets the latter in every pod (its own cluster's "
         "head)."))
-    concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding.")
+    concurrency: int = Field(64, ge=1, le=4096, description="Requests each batch keeps outstanding (no more than its "
+                                                            "tenant's `quota.max_concurrent`).")
     max_file_bytes: int = Field(200 << 20, ge=1024, description="Larger files get 413 (the form around one is not "
                                                                 "counted).")
     max_lines: int = Field(50_000, ge=1, description="Requests one batch may hold (OpenAI's limit).")

@@ -43,8 +43,8 @@ class FakeRunner:
         if name in self.jobs:  # the runner's promise (`RayJobRunner` asks Ray of a refused name): that job
             return name
         opts = dict(zip(args[::2], args[1::2]))
-        self.jobs[name] = {"input": Path(opts["--input"]), "output": Path(opts["--output"]),
-                           "key": Path(opts["--key-file"]).read_text(), "state": "RUNNING"}
+        self.jobs[name] = {"input": Path(opts["--input"]), "output": Path(opts["--output"]), "state": "RUNNING",
+                           "key": Path(opts["--key-file"]).read_text(), "concurrency": int(opts["--concurrency"])}
         if self.die_after_submit:
             raise SystemError("the service died")
         return name
