@@ -107,8 +107,9 @@ class RouterConfig(Frozen):
                                        "the tools when `tool_choice` forces a call) above this size gets 400: the "
                                        "engine converts and compiles all of it before the first token.")
     max_pattern_repeats: int = Field(
-        256, ge=0, description="The places a request's JSON-schema patterns can leave out or repeat (`?`, `*`, `+`, "
-                               "empty alternatives, each `{m,n}`'s n - m; four times on `.` or a negated class; times "
+        256, ge=0, description="The places a request's JSON-schema patterns, plain regexes and EBNF grammars can "
+                               "leave out or repeat (`?`, `*`, `+`, empty alternatives, each `{m,n}`'s n - m in a "
+                               "schema's pattern and one elsewhere; four times on `.` or a negated class; times "
                                "those of the groups around them), summed, above this get 400 (so do patterns over "
                                "4,096 characters, groups nested over 16 deep, and counts that cost more to convert "
                                "than one `{512}`): the engine compiles them before the first token, in time growing "

@@ -6,8 +6,10 @@ serves the pool's HTTP; the engine then compiles it, with no time limit. xgramma
 `{m,n}` of a JSON schema's regular expressions in time that grows with the square of the count (a
 150-byte request with `".{1,8000}"` stalled every other request of its pool for 19 s), and
 compiles in time that grows faster than the places a pattern can leave out or repeat
-(bench/notes.md). So each pattern's `Shape` is read here, from the raw body, in one linear pass,
-with the spec's size: what it costs does not depend on the tenant's quota, so it is bounded for
+(bench/notes.md). A plain `regex` or an EBNF `grammar` converts its counts in no time, but compiles
+in time that grows as fast with the places it can leave out or repeat (`.?` x 128: 3.6 s, on a
+worker every structured request of the replica waits for). So each pattern's and grammar's `Shape`
+is read here, from the raw body, in one linear pass, with the spec's size: what it costs does not depend on the tenant's quota, so it is bounded for
 everyone alike. A bound on the text is not a bound on time: see bench/notes.md.
 """
 
@@ -51,11 +53,11 @@ def check(data: dict, limits: GrammarLimits) -> None:
                        "token; send a smaller schema", param)
     shapes: list[tuple[str, Shape]] = []
     for param, spec in specs(data):
-        for regex in patterns(spec):
-            if len(regex) > MAX_PATTERN_CHARS:
-                raise _costly(param, f"a regular expression in {param} is {len(regex):,} characters and at most "
+        for text, kind in patterns(spec):
+            if kind != GRAMMAR and len(text) > MAX_PATTERN_CHARS:
+                raise _costly(param, f"a regular expression in {param} is {len(text):,} characters and at most "
                                      f"{MAX_PATTERN_CHARS:,} are accepted")
-            shapes.append((param, shape(regex)))
+            shapes.append((param, shape(_ebnf_atoms(text) if kind == GRAMMAR else text, counted=kind == PATTERN)))
     if (deep := max(shapes, key=lambda s: s[1].depth, default=None)) and deep[1].depth > MAX_GROUP_DEPTH:
         raise _costly(deep[0], f"a regular expression in {deep[0]} nests its groups {deep[1].depth} deep and at most "
                                f"{MAX_GROUP_DEPTH} are accepted: the engine's compile grows with the nesting; "
@@ -63,7 +65,8 @@ def check(data: dict, limits: GrammarLimits) -> None:
     param = max(shapes, key=lambda s: s[1].places + s[1].squares, default=("", None))[0]
     if (places := sum(s.places for _, s in shapes)) > limits.max_repeats:
         raise _costly(param, f"the regular expressions in {param} can leave out or repeat {places:,} places in all "
-                             f"(?, *, +, empty alternatives, each {{m,n}}'s n - m, four times on `.` or a negated "
+                             f"(?, *, +, empty alternatives, each {{m,n}}'s n - m in a JSON schema's pattern and "
+                             f"one elsewhere, four times on `.` or a negated "
                              f"class, times those of the groups around them) and at most {limits.max_repeats:,} are "
                              "accepted (router.max_pattern_repeats): the engine's compile grows faster than they do")
     if (squares := sum(s.squares for _, s in shapes)) > MAX_COUNT ** 2:
@@ -88,21 +91,26 @@ def specs(data: dict) -> Iterator[tuple[str, Any]]:
         yield "tools", data["tools"]
 
 
-def patterns(spec: Any) -> Iterator[str]:
-    """Every regular expression of a JSON schema in a spec: `pattern` values, `patternProperties`
-    keys, and the same inside JSON carried as a string (a `json` schema or a structural tag sent
-    as text). A plain `regex` is not one: xgrammar converts those apart, in linear time. Walked
-    with a stack of its own, as JSON inside a string is nested as deep as its sender likes."""
+PATTERN, REGEX, GRAMMAR = "pattern", "regex", "grammar"  # a JSON schema's, a plain one, EBNF
+
+
+def patterns(spec: Any) -> Iterator[tuple[str, str]]:
+    """Every regular expression and grammar in a spec, with its kind: a JSON schema's `pattern`
+    values and `patternProperties` keys (PATTERN), a plain `regex` (REGEX) and an EBNF `grammar`
+    (GRAMMAR), at the top or in a structural tag's formats, and the same inside JSON carried as a
+    string (a `json` schema or a structural tag sent as text). A key of these names with text for
+    its value counts wherever it is: more refused, never less. Walked with a stack of its own, as
+    JSON inside a string is nested as deep as its sender likes."""
     stack = [spec]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             for key, value in item.items():
-                if key == "pattern" and isinstance(value, str):
-                    yield value
+                if key in (PATTERN, REGEX, GRAMMAR) and isinstance(value, str):
+                    yield value, key
                     continue
                 if key == "patternProperties" and isinstance(value, dict):
-                    yield from (k for k in value if isinstance(k, str))
+                    yield from ((k, PATTERN) for k in value if isinstance(k, str))
                 stack.append(value)
         elif isinstance(item, list):
             stack.extend(item)
@@ -126,8 +134,10 @@ class Shape:
     depth: int  # how deeply its groups nest
 
 
-def shape(pattern: str) -> Shape:
-    """One pass over the pattern, linear in its length."""
+def shape(pattern: str, counted: bool = True) -> Shape:
+    """One pass over the pattern, linear in its length. Its `{m,n}` counts cost as much as their
+    span in a JSON schema's pattern (`counted`), and as one `*` elsewhere (xgrammar keeps a plain
+    regex's or a grammar's count as one repetition)."""
     frames = [[0, False, 1]]  # per open group: its places, whether an alternative is empty, its width
     squares = deepest = i = 0
     while i < len(pattern):
@@ -155,11 +165,11 @@ def shape(pattern: str) -> Shape:
             inner, empty, width = frames.pop()
             weight = max(inner, width)
             i += 1
-            if _quantifier(pattern, i) is None:  # an empty alternative leaves the group out, as `?` does
+            if _quantifier(pattern, i, counted) is None:  # an empty alternative leaves the group out, as `?` does
                 frames[-1][0] += inner + empty * weight
                 frames[-1][2] = max(frames[-1][2], width)
                 continue
-        elif (stray := _quantifier(pattern, i)) is not None:  # one after another, or first: counted alone
+        elif (stray := _quantifier(pattern, i, counted)) is not None:  # one after another, or first: counted alone
             frames[-1][0] += stray[0]
             squares += stray[1] ** 2
             i = stray[2]
@@ -168,14 +178,14 @@ def shape(pattern: str) -> Shape:
             weight = WIDE if c == "." else 1
             i += 1
         frames[-1][2] = max(frames[-1][2], weight)
-        if (quantity := _quantifier(pattern, i)) is not None:
+        if (quantity := _quantifier(pattern, i, counted)) is not None:
             frames[-1][0] += inner + quantity[0] * weight
             squares += quantity[1] ** 2
             i = quantity[2]  # a `?` after it (lazy to xgrammar) is read as one more place: never fewer
     return Shape(sum(f[0] + f[1] * f[2] for f in frames), squares, deepest)
 
 
-def _quantifier(pattern: str, i: int) -> tuple[int, int, int] | None:
+def _quantifier(pattern: str, i: int, counted: bool = True) -> tuple[int, int, int] | None:
     """The places a quantifier at `i` adds, its larger bound, and where it ends; or None."""
     c = pattern[i:i + 1]
     if c in ("?", "*", "+"):
@@ -183,6 +193,8 @@ def _quantifier(pattern: str, i: int) -> tuple[int, int, int] | None:
     if c == "{" and (m := _QUANTIFIER.match(pattern, i)) and (m.group(1) or m.group(2)):  # `{,}` is `*`
         low, high = _count(m.group(1)), _count(m.group(3))
         unbounded = m.group(2) is not None and not m.group(3)
+        if not counted:
+            return 1, 0, m.end()
         return (1 if unbounded else max(high - low, 0)) if m.group(2) else 0, max(low, high), m.end()
     return None
 
@@ -191,3 +203,31 @@ def _count(digits: str | None) -> int:
     if not digits:
         return 0
     return _HUGE if len(digits) > 9 else int(digits)
+
+
+def _ebnf_atoms(grammar: str) -> str:
+    """An EBNF grammar as `shape` reads it: each quoted string one literal (a `[` or `(` inside
+    one is text, and must not open a class that hides what follows), comments left out,
+    character classes kept whole (a `"` or `#` inside one is text too)."""
+    out, i, n = [], 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c == '"':
+            i += 1
+            while i < n and grammar[i] != c:
+                i += 2 if grammar[i] == "\\" else 1
+            out.append("a")
+            i += 1
+        elif c == "#":
+            while i < n and grammar[i] not in "\r\n":
+                i += 1
+        elif c == "[":
+            start, i = i, i + 1 + (grammar[i + 1:i + 2] == "^")
+            while i < n and grammar[i] != "]":
+                i += 2 if grammar[i] == "\\" else 1
+            out.append(grammar[start:i + 1])
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)

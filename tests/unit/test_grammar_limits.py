@@ -95,11 +95,6 @@ def test_what_a_schema_usually_holds_passes():
     assert priced.body.response_format.type == "json_schema"
 
 
-def test_a_plain_regex_is_not_counted():
-    """xgrammar converts a `regex` apart, in linear time (vLLM bounds its time too)."""
-    check({"structured_outputs": {"regex": "[a-z]{1,32000}"}}, GrammarLimits())
-
-
 def test_tools_count_their_bytes_only_when_a_call_is_forced():
     tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 2000,
                                                "parameters": {"type": "object"}}} for i in range(40)]
