@@ -104,9 +104,7 @@ class AdmissionGate:
         self._active: dict[int, Ticket] = {}
         self._queued: dict[int, Ticket] = {}
         self._active_seqs = self._inflight_tokens = 0
-        self._borrowed_seqs = 0  # active borrowed requests, their sequences and their tokens
-        self._borrowed_requests = 0
-        self._borrowed_tokens = 0
+        self._borrowed_requests = self._borrowed_seqs = self._borrowed_tokens = 0  # active borrowed work
         self._queued_tokens = 0
         self._own_seen = float("-inf")  # when the pool's own (not borrowed) work was last here
         self._ids = itertools.count(1)
@@ -248,13 +246,15 @@ class AdmissionGate:
     def _fits(self, t: Ticket) -> bool:
         """Borrowed work only fills free capacity, and never stands in the way of the pool's
         own work: an own request counts only own requests against the limits (the engine
-        ceiling caps the total), so borrowed slots are handed back as soon as chat returns."""
+        ceiling caps the total, in sequences and in tokens: past its KV the engine preempts), so
+        borrowed slots are handed back as soon as chat returns."""
         if not self._active:
             return True  # an idle replica always runs one request, however large
         if t.priority == PriorityClass.BORROWED:
             seqs, tokens = self._active_seqs, self._inflight_tokens
         else:
-            if self._active_seqs + t.seqs > self._ceilings.max_num_seqs:
+            if (self._active_seqs + t.seqs > self._ceilings.max_num_seqs
+                    or self._inflight_tokens + t.cost > self._ceilings.max_inflight_tokens):
                 return False
             seqs, tokens = self._active_seqs - self._borrowed_seqs, self._inflight_tokens - self._borrowed_tokens
         return (seqs + t.seqs <= self._limits.max_active_seqs
@@ -265,7 +265,9 @@ class AdmissionGate:
         if q.max_wait_s <= 0 or not self._queued:
             return False
         free_slots = self._limits.max_active_seqs - self._active_seqs
-        if self._queued_tokens >= q.min_batch_tokens or sum(t.seqs for t in self._queued.values()) >= free_slots:
+        free_tokens = self._limits.max_inflight_tokens - self._inflight_tokens
+        if (self._queued_tokens >= min(q.min_batch_tokens, free_tokens)
+                or sum(t.seqs for t in self._queued.values()) >= free_slots):
             return False
         oldest = self._oldest_enqueue()
         return oldest is not None and self._clock() - oldest < q.max_wait_s

@@ -208,6 +208,15 @@ def test_wait_window_counts_the_sequences_that_wait():
     assert len(ch.admitted) == 2 and gate.next_deadline() is None
 
 
+def test_wait_window_ends_when_the_queue_fills_the_free_tokens():
+    """Two requests of 1,500 tokens fill a budget of 2,048 that the window's 4,096 cannot reach:
+    it held them its whole length with the engine idle (found by a review)."""
+    gate, _ = make_gate(seqs=4, tokens=2048, wait_s=0.2, min_batch=4096)
+    first, _ = offer(gate, cost=1500)
+    _, ch = offer(gate, cost=1500)
+    assert ch.admitted == [first] and gate.next_deadline() is None
+
+
 def test_zero_window_admits_at_once():
     gate, _ = make_gate(seqs=2, wait_s=0.0, min_batch=10_000)
     _, ch = offer(gate)

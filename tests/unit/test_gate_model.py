@@ -28,7 +28,7 @@ from pools.gate import AdmissionGate, Ceilings, Changes, QueuePolicy, Ticket
 from pools.types import PriorityClass as P, SafeRange
 from tests.unit.model_based import replayable, schedules
 
-RANGE = SafeRange(ladder=(1, 2, 4, 8), low=1, high=8, tokens_per_seq=200, max_inflight_tokens=4000)
+RANGE = SafeRange(ladder=(1, 2, 4, 8), low=1, high=8, tokens_per_seq=500, max_inflight_tokens=4000)
 CEILINGS = Ceilings(max_num_seqs=10, max_inflight_tokens=4000)
 TERMINAL = ("released", "rejected", "evicted", "cancelled", "returned")
 
@@ -138,7 +138,7 @@ class GateModel:
         if any(t.priority != P.BORROWED for t in changes.admitted) and not alone:
             assert sum(t.seqs for t in own) <= lim.max_active_seqs, (lim, own)
             assert sum(t.cost for t in own) <= lim.max_inflight_tokens, (lim, own)
-            assert s.active <= CEILINGS.max_num_seqs
+            assert s.active <= CEILINGS.max_num_seqs and s.inflight_tokens <= CEILINGS.max_inflight_tokens, s
         if any(t.priority == P.BORROWED for t in changes.admitted) and not alone:
             assert s.active <= lim.max_active_seqs and s.inflight_tokens <= lim.max_inflight_tokens
         for a in changes.admitted:
