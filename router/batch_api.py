@@ -63,16 +63,17 @@ class BatchApi:
                                                         "still arriving (batches.max_uploads_per_tenant); send the "
                                                         "next when one has finished", "file", retry_after_s=5)
             self._uploading[tenant.name] += 1  # before any await: uploads arriving at once count each other
-            try:
+            try:  # until it is written: each holds its file in memory, and is not yet in the tenant's share
                 await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body
                 name, purpose, content, expires_after_s = await self._arrival(request, limit)
+                await asyncio.to_thread(self._check_batch_file, content)
+                await asyncio.to_thread(self._room_for, tenant.name, len(content))
+                return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content,
+                                               expires_after_s)
             finally:
                 self._uploading[tenant.name] -= 1
                 if not self._uploading[tenant.name]:
                     del self._uploading[tenant.name]
-            await asyncio.to_thread(self._check_batch_file, content)
-            await asyncio.to_thread(self._room_for, tenant.name, len(content))
-            return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content, expires_after_s)
         return await self._run(request, run)
 
     async def _arrival(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
@@ -123,18 +124,19 @@ class BatchApi:
             raise _too_large(self._s.max_file_bytes)
         return upload.filename or "upload.jsonl", purpose, content, expires_after_s
 
-    def _room_for(self, tenant: str, size: int) -> None:
+    def _room_for(self, tenant: str, size: int, param: str = "file") -> None:
         """Whether the volume holds one more file of `size` bytes for `tenant` within its share.
         Uploads arriving at once may each pass it: `max_uploads_per_tenant` files over per replica."""
         files, stored = self._files.usage(tenant)
         fix = "delete files it no longer needs (DELETE /v1/files/{file_id})"
         if files >= self._s.max_files_per_tenant:
             raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {files:,} files, the most "
-                                                       f"batches.max_files_per_tenant allows: {fix}", "file")
+                                                       f"batches.max_files_per_tenant allows: {fix}", param)
         if stored + size > self._s.max_stored_bytes_per_tenant:
-            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and this "
-                                                       f"one would take it past batches.max_stored_bytes_per_tenant "
-                                                       f"({self._s.max_stored_bytes_per_tenant:,}): {fix}", "file")
+            more = "this one" if param == "file" else "a batch's output"
+            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and {more} "
+                                                       f"would take it past batches.max_stored_bytes_per_tenant "
+                                                       f"({self._s.max_stored_bytes_per_tenant:,}): {fix}", param)
 
     def _check_batch_file(self, content: bytes) -> None:
         try:
@@ -190,6 +192,8 @@ class BatchApi:
             for field in ("input_file_id", "endpoint", "completion_window"):
                 if field not in body:
                     raise ApiError(400, "missing_field", f"{field!r} is required", field)
+            # its output and error files are the tenant's too: a full share takes no more batches
+            await asyncio.to_thread(self._room_for, tenant.name, 1, "input_file_id")
             return await self._call("create", tenant.name, bearer(request.headers), body["input_file_id"],
                                     body["endpoint"], body["completion_window"], body.get("metadata"),
                                     body.get("output_expires_after"))

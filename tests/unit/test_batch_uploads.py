@@ -6,6 +6,7 @@ requests in a queue in front of the router."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import openai
@@ -217,3 +218,48 @@ def test_a_file_deleted_while_the_usage_is_read_is_not_counted(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "scandir", Racing)
     assert files.usage("b") == (1, len(_file(2)))
+
+
+@sync
+async def test_an_upload_counts_against_the_tenants_uploads_until_it_is_written(tmp_path, monkeypatch):
+    """The count dropped once the body arrived, before the file was checked and written: a tenant
+    keeping two uploads arriving had any number held in memory, each passing the share's check
+    before the others were written (found by a review)."""
+    from router.batch_api import BatchApi
+
+    app, checking, go = app_with(tmp_path, max_uploads_per_tenant=2), [], threading.Event()
+    check = BatchApi._check_batch_file
+
+    def slow_check(self, content):
+        checking.append(1)
+        assert go.wait(60)
+        return check(self, content)
+    monkeypatch.setattr(BatchApi, "_check_batch_file", slow_check)
+    b = sdk(app, "b")
+    held = [asyncio.create_task(b.files.create(file=("in.jsonl", _file(2)), purpose="batch")) for _ in range(2)]
+    try:
+        while len(checking) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as e:
+            await b.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+        assert e.value.status_code == 429 and e.value.body["code"] == "too_many_uploads", e.value.body
+    finally:
+        go.set()
+    assert [f.bytes for f in await asyncio.gather(*held)] == [len(_file(2))] * 2
+
+
+@sync
+async def test_a_tenant_whose_share_is_full_creates_no_batch(tmp_path):
+    """A batch's output and error files are its tenant's: a tenant at its share created batches
+    all the same, and their output filled the volume past it (found by a review)."""
+    app = app_with(tmp_path, max_stored_bytes_per_tenant=len(_file(2)))
+    b = sdk(app, "b")
+    f = await b.files.create(file=("in.jsonl", _file(2)), purpose="batch")
+    with pytest.raises(openai.APIStatusError) as e:
+        await b.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert e.value.status_code == 413 and e.value.body["code"] == "tenant_storage_full", e.value.body
+    assert e.value.body["param"] == "input_file_id" and "a batch's output" in e.value.body["message"]
+    await b.files.delete(f.id)
+    f = await b.files.create(file=("in.jsonl", _file(1)), purpose="batch")  # room again
+    assert (await b.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                   completion_window="24h")).status == "in_progress"
