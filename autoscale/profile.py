@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, field_validator, model_validator
 
+from infra.stats import percentile
 from pools.config import Fingerprint, Frozen
 
 __all__ = ["Fingerprint", "Profile", "load_profile", "dump_profile"]
@@ -24,10 +25,14 @@ class Measured(Frozen):
     """Numbers a sweep measured or a rule is judged by, finite: NaN compares false with every
     bound, so a row with NaN for its P99 passed any SLO and watermark, as an SLO of inf would."""
 
-    @field_validator("*")
+    @field_validator("*", mode="before")  # before a bound's check, which NaN fails with a message of its own
     @classmethod
     def _not_nan(cls, value):
-        if isinstance(value, float) and not math.isfinite(value):
+        try:
+            number = float(value) if isinstance(value, (str, float)) else None
+        except ValueError:
+            number = None
+        if number is not None and not math.isfinite(number):
             raise ValueError(f"{value} is not a number a range can be judged by: measure the pool again "
                              "(poolserve calibrate) or give the value")
         return value
@@ -72,6 +77,7 @@ class LadderRow(Measured):
     rejections: int
     offered_req_per_s: float | None = None  # open-loop ladders: the rate sent (achieved is req_per_s)
     output_tokens_mean: float | None = None  # per completed response (else output tok/s over req/s)
+    output_tokens_p99: float | None = None  # the longest responses', which set a whole response's P99 latency
 
 
 class KneeRule(Measured):
@@ -85,15 +91,22 @@ class KneeRule(Measured):
     `saturation_ratio` of the load offered. Plateau: nothing above the smallest step within
     `plateau_fraction` of the best throughput among the steps the other rules leave."""
 
-    min_gain_pct: float = 10.0
-    max_p99_growth_pct: float = 40.0
-    max_growth_per_gain: float = 5.0
+    min_gain_pct: float = Field(10.0, ge=0)
+    max_p99_growth_pct: float = Field(40.0, gt=0)
+    max_growth_per_gain: float = Field(5.0, gt=0)
     min_p99_delta_ms: float = Field(20.0, ge=0)
     saturation_ratio: float = Field(0.95, gt=0, le=1)
     plateau_fraction: float = Field(0.95, gt=0, le=1)
-    kv_watermark: float = 0.9
-    max_error_rate: float = 0.01
+    kv_watermark: float = Field(0.9, gt=0, le=1)  # a fraction: 90 (a percentage) turned the KV limit off
+    max_error_rate: float = Field(0.01, ge=0, lt=1)
     headroom_steps: int = Field(0, ge=0)
+
+
+def response_lengths(tokens: list[int]) -> dict[str, float | None]:
+    """A step's completed responses' lengths, as its row keeps them."""
+    if not tokens:
+        return {"output_tokens_mean": None, "output_tokens_p99": None}
+    return {"output_tokens_mean": sum(tokens) / len(tokens), "output_tokens_p99": percentile(tokens, 99)}
 
 
 class SLOSpec(Measured):

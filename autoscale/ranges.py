@@ -3,6 +3,7 @@ none, or the range an operator's calibration pin opens. Pure: the controller cal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autoscale.knee import find_knee
@@ -42,15 +43,22 @@ def at_slo(calibration: CalibrationJson, profile: Profile | None, slo: SLOSpec
     """A profile's range judged at the SLO a pool runs at. Its rows are what its sweep measured,
     whatever SLO that sweep was run for; the range it chose was chosen at that SLO, and a pool
     held to a tighter one must not run at steps whose measured P99s break it (nor stay below
-    steps a looser one allows, up to the top of the measured ladder)."""
-    if profile is None or profile.slo == slo:
+    steps a looser one allows, up to the top of the measured ladder). At its own SLO its range
+    stands, or a narrower one chosen by hand; a wider one (a hand edit past what its rows allow)
+    is judged from its rows as at any other SLO."""
+    if profile is None:
         return calibration, profile
     v = find_knee(profile.rows, slo, profile.rule)
+    own = all(math.isclose(a, b, rel_tol=1e-9) for a, b in ((profile.slo.ttft_p99_ms, slo.ttft_p99_ms),
+                                                            (profile.slo.tpot_p99_ms, slo.tpot_p99_ms)))
+    if own and v.low <= profile.range[0] and profile.range[1] <= v.high:
+        return calibration, profile
     judged = profile.model_copy(update={"slo": slo, "knee": v.knee, "range": (v.low, v.high), "feasible": v.feasible,
                                         "decided_by": v.decided_by, "reason": v.reason})
+    gave = "its own range is wider than its rows allow:" if own else "its sweep's SLO gave"
     return calibration.model_copy(update={"detail": (
         f"range {list(judged.range)} at this pool's SLO (P99 TTFT {slo.ttft_p99_ms:g} ms, TPOT {slo.tpot_p99_ms:g} "
-        f"ms), set by the {v.decided_by} rule; its sweep's SLO gave {list(profile.range)}")}), judged
+        f"ms), set by the {v.decided_by} rule; {gave} {list(profile.range)}")}), judged
 
 
 def allowed_range(spec: PoolSpec, state: str, measured: SafeRange | None, calibrating_pin: bool) -> SafeRange:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from autoscale.calibrate import build_profile
 from autoscale.controller import Controller
-from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec
+from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, response_lengths
 from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
 from infra.stats import counter_rate, percentile
@@ -297,4 +297,4 @@ def _row(seqs: int, results: list[Result], samples: list[_Sample], counters: _Co
         kv_usage_max=max((s.kv for s in inside), default=0.0),
         preemptions=(inside[-1].preemptions - inside[0].preemptions) if len(inside) > 1 else 0,
         errors=sum(1 for r in results if a <= r.start < b and r.status not in (0, 200)), rejections=0,
-        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None)
+        **response_lengths([r.output_tokens for r in done]))

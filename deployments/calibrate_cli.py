@@ -20,9 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from autoscale.calibrate import build_profile, markdown_table, plot, sweep
 from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, dump_profile,
-                               load_profile)
+                               load_profile, response_lengths)
 from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
 from infra.results import Result, Summary
@@ -129,7 +131,7 @@ def step_row(seqs: int, s: Summary, steady: bool, done: list[Result], engine_rat
         goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
         e2e_ms=_pct(s.e2e_ms), kv_usage_max=kv_max, preemptions=preemptions,
         errors=round(s.error_rate * s.requests), rejections=round(s.rejection_rate * s.requests),
-        output_tokens_mean=sum(r.output_tokens for r in done) / len(done) if done else None)
+        **response_lengths([r.output_tokens for r in done]))
 
 
 def _write(profile, out: Path) -> None:
@@ -142,10 +144,18 @@ def _write(profile, out: Path) -> None:
     print(f"wrote {out / (profile.pool + '.yaml')}, .md and .png; CUDA graphs: {profile.cudagraph.note}")
 
 
+_RULE_FLAGS = {"min_gain_pct": "min_gain", "max_p99_growth_pct": "max_growth",
+               "max_growth_per_gain": "max_growth_per_gain", "kv_watermark": "kv_watermark",
+               "headroom_steps": "headroom_steps"}
+
+
 def _rule(args) -> KneeRule:
-    return KneeRule(min_gain_pct=args.min_gain, max_p99_growth_pct=args.max_growth,
-                    max_growth_per_gain=args.max_growth_per_gain, kv_watermark=args.kv_watermark,
-                    headroom_steps=args.headroom_steps)
+    try:
+        return KneeRule(**{field: getattr(args, flag) for field, flag in _RULE_FLAGS.items()})
+    except ValidationError as e:
+        bad = e.errors()[0]
+        hint = " (a fraction: 0.9, not 90)" if bad["loc"][0] == "kv_watermark" else ""
+        raise SystemExit(f"--{_RULE_FLAGS[bad['loc'][0]].replace('_', '-')} {bad['input']}: {bad['msg']}{hint}") from None
 
 
 def _cmd_rerank(args) -> int:

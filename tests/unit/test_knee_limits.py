@@ -1,0 +1,86 @@
+"""The hard limits and the rule's own bounds, where a review found the safe range wrong."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from autoscale.calibrate import build_profile
+from autoscale.knee import find_knee, violations
+from autoscale.profile import KneeRule, SLOSpec
+from autoscale.ranges import at_slo
+from pools.control import CalibrationJson
+from tests.unit.test_knee import FP, RULE, SLO, TRAFFIC, ladder, row
+
+
+def test_a_step_that_preempts_is_a_hard_limit():
+    """KV usage is sampled from reports and misses its peaks; preemptions are counted exactly,
+    and the autoscaler steps down at any. A step of 400 preemptions joined the range, where the
+    limit then climbed, preempted and stepped back down (found by a review)."""
+    rows = ladder((4, 1000, 200), (8, 1900, 220), (16, 3400, 240), (32, 6000, 260))
+    rows[2] = rows[2].model_copy(update={"preemptions": 400})
+    v = find_knee(rows, SLO, RULE)
+    assert (v.low, v.high, v.decided_by) == (4, 8, "hard limit") and "400 preemptions" in v.reason
+
+
+def test_whole_responses_of_varying_length_are_held_to_their_longest():
+    """20 ms a token against a TPOT SLO of 50, responses of 200 tokens on average and 1,000 at
+    P99: the P99 latency (20 s) was held to what the SLO allows the mean (10.9 s), and the pool
+    was infeasible at batch size 1 (found by a review)."""
+    step = row(1, 50, 0.0, 0.0, e2e_p99=20_000.0).model_copy(update={"output_tokens_mean": 200.0,
+                                                                       "output_tokens_p99": 1000.0})
+    slo = SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=50)
+    assert violations(step, slo, RULE) == []
+    slow = step.model_copy(update={"e2e_ms": step.e2e_ms.model_copy(update={"p99": 60_000.0})})
+    assert violations(slow, slo, RULE) and "1000 tokens" in violations(slow, slo, RULE)[0]
+
+
+@pytest.mark.parametrize("field, value", [("kv_watermark", 90.0), ("kv_watermark", 0.0), ("max_error_rate", 1.5),
+                                          ("max_p99_growth_pct", 0.0), ("min_gain_pct", -1.0)])
+def test_a_rule_out_of_its_bounds_is_refused(field, value):
+    """`kv_watermark` 90 (a percentage) turned the KV and error limits off without a word."""
+    with pytest.raises(ValidationError, match=field):
+        KneeRule(**{field: value})
+
+
+def test_the_calibrate_command_names_the_flag_of_a_rule_out_of_bounds():
+    from deployments.calibrate_cli import _rule
+
+    args = argparse.Namespace(min_gain=10.0, max_growth=40.0, max_growth_per_gain=5.0, kv_watermark=90.0,
+                              headroom_steps=0)
+    with pytest.raises(SystemExit, match=r"--kv-watermark 90.0: .*less than or equal to 1 .*0\.9, not 90"):
+        _rule(args)
+
+
+def _profile(rows):
+    return build_profile("online-chat", rows, FP, SLO, TRAFFIC, RULE, [], "2026-12-06")
+
+
+CAL = CalibrationJson(state="profile", detail="")
+
+
+def test_a_range_wider_than_its_rows_allow_at_its_own_slo_is_judged_from_its_rows():
+    """The SLO held the range at [4, 8] (16 breaks it); a hand edit to [4, 32] ran as such at
+    the same SLO, and as [4, 8] at an SLO a hair looser (found by a review)."""
+    rows = ladder((4, 1000, 200), (8, 1900, 400), (16, 3400, 1500), (32, 6000, 2000))
+    profile = _profile(rows)
+    assert profile.range == (4, 8)
+    edited = profile.model_copy(update={"range": (4, 32)})
+    for slo in (SLO, SLOSpec(ttft_p99_ms=1000.0001, tpot_p99_ms=100)):
+        cal, judged = at_slo(CAL, edited, slo)
+        assert judged.range == (4, 8), slo
+    assert "wider than its rows allow" in at_slo(CAL, edited, SLO)[0].detail
+    narrowed = profile.model_copy(update={"range": (4, 4)})  # narrower by hand: it stands
+    assert at_slo(CAL, narrowed, SLO)[1] is narrowed
+
+
+def test_an_slo_rebuilt_from_seconds_is_the_profiles_own():
+    """The controller rebuilds a pool's SLO as `ttft_slo_s * 1e3`: 1001 ms came back as
+    1000.9999999999999, and the profile was judged as at another SLO."""
+    rows = ladder((4, 1000, 200), (8, 1900, 400))
+    profile = _profile(rows).model_copy(update={"slo": SLOSpec(ttft_p99_ms=1001, tpot_p99_ms=100)})
+    rebuilt = SLOSpec(ttft_p99_ms=1.001 * 1e3, tpot_p99_ms=0.1 * 1e3)
+    assert rebuilt.ttft_p99_ms != 1001
+    assert at_slo(CAL, profile, rebuilt)[1] is profile
