@@ -64,6 +64,17 @@ class FairClass:
         """Queued tickets from the newest, lazily (each tenant's queue is in arrival order)."""
         return heapq.merge(*(reversed(q) for q in self.queues.values()), key=lambda t: -t.id)
 
+    def crowding(self, tenant: str) -> Iterator[Ticket]:
+        """The tickets a full queue gives up for one more of `tenant`'s in this class, lazily: the
+        newest of whichever tenant queues the most here, while it queues more than `tenant` (whose
+        new ticket is queued already). First come within a class let one tenant hold the queue,
+        and another of the same class, however light, was refused."""
+        left = {x: len(q) for x, q in self.queues.items()}
+        while (x := max((x for x in left if x != tenant), key=left.__getitem__, default=None)) is not None \
+                and left[x] > left.get(tenant, 0):
+            left[x] -= 1
+            yield self.queues[x][left[x]]
+
     def oldest_enqueue(self) -> float | None:
         return min((q[0].enqueued_at for q in self.queues.values()), default=None)
 

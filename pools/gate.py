@@ -280,14 +280,14 @@ class AdmissionGate:
                 or self._queued_tokens - freed_tokens > self._queue.max_queued_tokens)
 
     def _make_room(self, t: Ticket) -> list[Rejection]:
-        """Evict the newest waiters less important than `t`, least important first, if that
-        makes room for it; else evict nobody and reject `t`."""
+        """Evict the newest waiters less important than `t`, least important first, then those its
+        class gives up for it (`FairClass.crowding`), if that makes room; else reject `t` alone."""
         now = self._clock()
         victims: list[Ticket] = []
         for p in reversed(PriorityClass):
-            if p <= t.priority or not self._overfull(len(victims), sum(v.cost for v in victims)):
+            if p < t.priority or not self._overfull(len(victims), sum(v.cost for v in victims)):
                 break
-            for v in self._classes[p].newest_first():
+            for v in self._classes[p].newest_first() if p > t.priority else self._classes[p].crowding(t.tenant):
                 victims.append(v)
                 if not self._overfull(len(victims), sum(x.cost for x in victims)):
                     break

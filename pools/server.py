@@ -219,7 +219,8 @@ class PoolServer:
             if r.reason == "lender_busy":  # own work came back while it waited here
                 yield self._sent_home(r.retry_after_s)
                 return
-            what = "a more important request took its place" if r.reason == "evicted" else "its queue is full"
+            what = ("a more important request, or one of a tenant with fewer waiting, took its place"
+                    if r.reason == "evicted" else "its queue is full")
             yield Rejected(429, r.reason, f"pool {self._settings.name!r} is overloaded: {what}; "
                                           f"retry after {r.retry_after_s:.0f}s", r.retry_after_s)
             return

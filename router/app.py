@@ -127,11 +127,11 @@ class Router:
             log.info("tenant=%s prompt=%s", s.tenant.name, json.dumps(_prompt_of(priced.body))[:4000])
         call = PoolCall(priced.kind, priced.body, s.tenant.name, s.tenant.weight, priority, priced.prompt_tokens,
                         priced.max_tokens, include_usage=priced.client_usage, n=priced.n, rendered=priced.rendered)
-        plan = self._plan(home, priority)
+        plan = self._plan(home, priority, s.tenant.name)
         for i, attempt in enumerate(plan):
             s.dispatch(attempt.pool, attempt.borrowed)
             cls = PriorityClass.BORROWED if attempt.borrowed else priority
-            if not attempt.borrowed and self._loads.queue_full(attempt.pool, cls):
+            if not attempt.borrowed and self._loads.queue_full(attempt.pool, cls, s.tenant.name):
                 s.shed = "queue_full"
                 hint = self._loads.retry_hint[attempt.pool]
                 raise ApiError(429, "queue_full", f"pool {attempt.pool!r} is overloaded: its queue is full; retry "
@@ -165,13 +165,13 @@ class Router:
             return StreamingResponse(stream.relay(first), media_type="text/event-stream", headers=headers)
         return JSONResponse((await stream.whole(first)).model_dump(), headers=headers)
 
-    def _plan(self, home: str, priority: PriorityClass):
+    def _plan(self, home: str, priority: PriorityClass, tenant: str):
         rule = self._routes[home].borrow
         target = rule.into if rule else None
         return dispatch_plan(home, priority, rule, self._loads.load(home),
                              self._loads.load(target) if target else None,
                              bool(target) and self._loads.may_borrow(home, target),
-                             bool(target) and self._loads.queue_full(target, PriorityClass.BORROWED))
+                             bool(target) and self._loads.queue_full(target, PriorityClass.BORROWED, tenant))
 
     # -- steps ------------------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ class PoolLoads:
         self._borrowed = collections.Counter[str]()
         self._tenant = collections.Counter[tuple[str, str]]()
         self._own_seen = {p: float("-inf") for p in routes}  # when a pool last had its own work in flight
-        self._waiting = {p: {c: 0 for c in PriorityClass} for p in routes}  # dispatched, no verdict yet
+        # dispatched, no verdict yet: per pool, class and tenant
+        self._waiting = {p: {c: collections.Counter[str]() for c in PriorityClass} for p in routes}
         self._views: dict[str, PoolView] = {}
         self._views_at = float("-inf")
         self.retry_hint = {p: 1.0 for p in routes}  # the pool gate's last Retry-After estimate
@@ -45,12 +46,14 @@ class PoolLoads:
             self._own_seen[pool] = self._clock()
 
     @contextlib.contextmanager
-    def waiting(self, pool: str, cls: PriorityClass) -> Iterator[None]:
-        self._waiting[pool][cls] += 1
+    def waiting(self, pool: str, cls: PriorityClass, tenant: str) -> Iterator[None]:
+        self._waiting[pool][cls][tenant] += 1
         try:
             yield
         finally:
-            self._waiting[pool][cls] -= 1
+            self._waiting[pool][cls][tenant] -= 1
+            if not self._waiting[pool][cls][tenant]:
+                del self._waiting[pool][cls][tenant]
 
     def tenant_inflight(self, tenant: str, pools: tuple[str, ...]) -> dict[str, int]:
         """A tenant's own requests in flight through this replica, per pool."""
@@ -94,12 +97,12 @@ class PoolLoads:
         h, t = self.view(home), self.view(target)
         return h is not None and t is not None and not (h.calibrating or t.calibrating or not t.lending)
 
-    def queue_full(self, pool: str, priority: PriorityClass) -> bool:
+    def queue_full(self, pool: str, priority: PriorityClass, tenant: str) -> bool:
         """Whether the pool's gates would surely refuse a request of this class (the router
         then answers 429 itself); never when the pool's state is unknown."""
         v = self.view(pool)
         if v is None:
             return False
         route = self._routes[pool]
-        return queue_surely_full(self._waiting[pool], priority, route.queue_slots * v.replicas,
+        return queue_surely_full(self._waiting[pool], priority, tenant, route.queue_slots * v.replicas,
                                  route.max_num_seqs * v.replicas)

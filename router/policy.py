@@ -17,6 +17,7 @@ capacity back at once when chat returns:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from pools.types import PriorityClass
 from router.errors import ApiError
@@ -91,22 +92,27 @@ def borrow_decision(home: PoolLoad, target: PoolLoad, rule: BorrowRule) -> tuple
     return True, "home saturated, target idle"
 
 
-def queue_surely_full(waiting: dict[PriorityClass, int], priority: PriorityClass, queue_slots: int,
-                      seats: int) -> bool:
-    """Whether a pool's queue is certain to refuse a request of class `priority`, judged from
-    this router's own requests that wait there (`waiting`: dispatched, no verdict yet).
+def queue_surely_full(waiting: dict[PriorityClass, Mapping[str, int]], priority: PriorityClass, tenant: str,
+                      queue_slots: int, seats: int) -> bool:
+    """Whether a pool's queue is certain to refuse a request of class `priority` from `tenant`,
+    judged from this router's own requests that wait there (`waiting`: per class and tenant,
+    dispatched, no verdict yet).
 
-    A gate evicts a strictly less important queued request for a more important one, so only
-    waiting requests at least as important as this one count; and up to `seats` of them (the
+    A gate evicts a strictly less important queued request for a more important one, and in a
+    class the newest of a tenant that queues more than this one's (`FairClass.crowding`), so
+    only these count: the more important classes', the tenant's own in its class, and of each
+    other tenant's in its class as many as the tenant's own and one. Up to `seats` of them (the
     pool's engine ceiling across its replicas) may be admitted to free slots rather than
     queued. So the queue is surely full only when those requests fill both the seats and the
-    queue. The count is a lower bound on the real queue (other router replicas add to it), so
+    queue. Each count is a lower bound on the gate's (other router replicas add to it), so
     this never sheds what the gates would admit; it only spares a pool replica the round trip
     of a refusal under overload.
     """
     if queue_slots <= 0:
         return False
-    ahead = sum(n for cls, n in waiting.items() if cls <= priority)
+    own = waiting.get(priority, {}).get(tenant, 0)
+    ahead = sum(sum(by_tenant.values()) for cls, by_tenant in waiting.items() if cls < priority)
+    ahead += own + sum(min(n, own + 1) for t, n in waiting.get(priority, {}).items() if t != tenant)
     return ahead >= queue_slots + seats
 
 

@@ -121,7 +121,7 @@ class PoolStream:
     async def verdict(self, loads: PoolLoads, cls: PriorityClass, reach_timeout_s: float) -> Admitted | Rejected:
         """The gate's verdict. Reaching a replica is bounded by `reach_timeout_s` (none took the
         call: it is restarting, or swamped); the wait in its queue is not."""
-        with loads.waiting(self.pool, cls):
+        with loads.waiting(self.pool, cls, self._s.tenant.name):
             try:
                 first = await within(reach_timeout_s, self._gen.__anext__())
             except Overdue:

@@ -1,5 +1,5 @@
-"""The pool's own requests refused, apart from borrowed ones: counted by the gate, summed for the
-autoscaler."""
+"""Requests a full gate refuses: which it gives up for which, and the pool's own refusals, apart
+from borrowed ones, counted by the gate and summed for the autoscaler."""
 
 from __future__ import annotations
 
@@ -36,3 +36,17 @@ def test_the_rejection_signal_counts_the_pools_own_refusals_only():
     reports = [dataclasses.replace(s, gate=dataclasses.replace(s.gate, rejected=5, evicted=3, own_refused=n))
                for s, n in zip(reports, (2, 1))]
     assert aggregate(reports).rejected_total == 3
+
+
+def test_a_full_queue_makes_room_in_a_class_for_the_tenant_queueing_least():
+    """One tenant filled the queue at `standard` and every other tenant of the class was refused
+    `queue_full`, whatever its weight (found by a review): it gives up its newest instead."""
+    gate, _ = make_gate(seqs=1, max_queued=4)
+    offer(gate, "hog")  # holds the only slot
+    hogs = [offer(gate, "hog")[0] for _ in range(4)]
+    light, ch = offer(gate, "light", weight=100.0)
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(hogs[-1], "evicted")] and gate.is_queued(light.id)
+    second, ch = offer(gate, "light")  # now 3 against 2: one more of the hog's
+    assert [r.ticket for r in ch.rejected] == [hogs[-2]]
+    third, ch = offer(gate, "light")  # 2 against 3: its own is refused, the hog keeps its share
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(third, "queue_full")]

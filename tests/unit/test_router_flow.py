@@ -160,9 +160,9 @@ def test_borrowing_stops_while_the_controllers_view_is_stale():
     router = Endpoints(settings, {"off": FakePool(), "on": FakePool()}, h.FakeController(),
                        LedgerService({t.name: Quota() for t in h.TENANTS}), h.WordCounter(), clock)
     router._loads.update_views({"off": PoolView("off", 1, 2, 2, 10, True), "on": PoolView("on", 1, 4, 0, 0, True)})
-    assert router._plan("off", PriorityClass.BATCH)[0].borrowed  # home saturated, lender idle: borrow
+    assert router._plan("off", PriorityClass.BATCH, "t")[0].borrowed  # home saturated, lender idle: borrow
     clock.t += 6  # the controller stopped answering
-    plan = router._plan("off", PriorityClass.BATCH)
+    plan = router._plan("off", PriorityClass.BATCH, "t")
     assert len(plan) == 1 and not plan[0].borrowed
 
 
@@ -206,7 +206,7 @@ def test_a_borrowed_attempt_that_fails_goes_home_once(lender):
         r = Endpoints(settings, {"off": home, "on": lender_pool}, h.FakeController(),
                       LedgerService({t.name: Quota() for t in tenants}), h.WordCounter(), lambda: 100.0)
         r._loads.update_views({"off": PoolView("off", 1, 2, 2, 10, True), "on": PoolView("on", 1, 4, 0, 0, True)})
-        assert r._plan("off", PriorityClass.BATCH)[0].borrowed  # the clock stands: the views stay fresh
+        assert r._plan("off", PriorityClass.BATCH, "t")[0].borrowed  # the clock stands: the views stay fresh
         raw, sent = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(), []
 
         async def receive():

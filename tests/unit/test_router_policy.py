@@ -78,12 +78,23 @@ def test_queue_surely_full_counts_only_requests_at_least_as_important():
     from router.policy import queue_surely_full
 
     I, S, B, BR = P.INTERACTIVE, P.STANDARD, P.BATCH, P.BORROWED
-    waiting = {I: 1, S: 2, B: 5, BR: 4}
-    assert queue_surely_full(waiting, B, 8, 0)  # 1 + 2 + 5 ahead of or beside a batch request
-    assert not queue_surely_full(waiting, S, 8, 0)  # it would evict queued batch work: let the gate decide
-    assert not queue_surely_full(waiting, I, 2, 0)
-    assert queue_surely_full(waiting, BR, 12, 0)
-    assert not queue_surely_full(waiting, B, 0, 0)  # no queue known: never shed at the router
+    waiting = {I: {"t": 1}, S: {"t": 2}, B: {"t": 5}, BR: {"t": 4}}
+    assert queue_surely_full(waiting, B, "t", 8, 0)  # 1 + 2 + 5 ahead of or beside a batch request
+    assert not queue_surely_full(waiting, S, "t", 8, 0)  # it would evict queued batch work: let the gate decide
+    assert not queue_surely_full(waiting, I, "t", 2, 0)
+    assert queue_surely_full(waiting, BR, "t", 12, 0)
+    assert not queue_surely_full(waiting, B, "t", 0, 0)  # no queue known: never shed at the router
+
+
+def test_queue_surely_full_leaves_a_tenant_room_another_of_its_class_crowds():
+    """A gate gives up, in a class, the newest of a tenant queueing more than the arriving
+    request's: the router shed that request as if the queue were first come."""
+    from router.policy import queue_surely_full
+
+    waiting = {P.STANDARD: {"hog": 8}}
+    assert queue_surely_full(waiting, P.STANDARD, "hog", 8, 0)
+    assert not queue_surely_full(waiting, P.STANDARD, "light", 8, 0)  # 0 of its own and 1 of the hog's count
+    assert queue_surely_full({P.STANDARD: {"hog": 8, "light": 4}}, P.STANDARD, "light", 8, 0)  # 4 + 5 >= 8
 
 
 @pytest.mark.parametrize("waiting, queue, seats, full", [
@@ -95,7 +106,7 @@ def test_queue_surely_full_counts_only_requests_at_least_as_important():
 def test_requests_that_free_seats_would_admit_are_never_shed(waiting, queue, seats, full):
     from router.policy import queue_surely_full
 
-    assert queue_surely_full({P.STANDARD: waiting}, P.STANDARD, queue, seats) is full
+    assert queue_surely_full({P.STANDARD: {"t": waiting}}, P.STANDARD, "t", queue, seats) is full
 
 
 def _tenant(**kw):
