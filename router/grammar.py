@@ -25,11 +25,16 @@ from router.errors import ApiError
 
 SPEC_FIELDS = ("response_format", "structured_outputs")  # what a body may ask the engine to compile
 _QUANTIFIER = re.compile(r"\{ *+(\d*+) *+(?:(,) *+(\d*+) *+)?\}")  # possessive: no backtracking
+_NAME = re.compile(r"[A-Za-z_][\w.-]*")  # a rule's name, in EBNF or Lark
 _HUGE = 10 ** 9  # a bound written with more digits than this counts as this (and is refused)
 MAX_GROUP_DEPTH = 16  # 500 nested optional groups with no count compiled for 19 s
 MAX_PATTERN_CHARS = 4096
 MAX_COUNT = 512  # the count converted in 74 ms; the counts' squares may add up to its square
 WIDE = 4  # `.?` x 64 compiled 13 times as long as `[a-z]?` x 64
+WIDE_RANGE = 256  # a class's range wider than this is read as `.` (`[\x00-\U0010FFFF]?` x 256: 16.5 s)
+RULE = 2 * WIDE  # a rule's name in a grammar: `w?` x 64 of a rule of 32 `[^"]` compiled 3.2 s, `[^"]?` x 64 0.7
+_RULE = "\x00"  # how `_ebnf_atoms` writes one (a grammar holds none: a literal NUL is not EBNF)
+_CLASS_CHAR = re.compile(r"\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\U[0-9a-fA-F]{8}|\\.|.", re.S)
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,9 @@ def check(data: dict, limits: GrammarLimits) -> None:
 
 
 def _costly(param: str, why: str) -> ApiError:
-    return ApiError(400, "grammar_too_costly", f"{why}; bound a string's length with minLength and maxLength, which "
-                                               "cost nothing, instead of a counted pattern", param)
+    return ApiError(400, "grammar_too_costly", f"{why}; in a JSON schema, bound a string's length with minLength and "
+                                               "maxLength, which cost nothing, instead of a counted pattern; "
+                                               "elsewhere, make fewer places optional", param)
 
 
 def specs(data: dict) -> Iterator[tuple[str, Any]]:
@@ -106,8 +112,8 @@ def patterns(spec: Any) -> Iterator[tuple[str, str]]:
         item = stack.pop()
         if isinstance(item, dict):
             for key, value in item.items():
-                if key in (PATTERN, REGEX, GRAMMAR) and isinstance(value, str):
-                    yield value, key
+                if key in (PATTERN, REGEX, GRAMMAR) and isinstance(value, str):  # a tag's regex format: a plain one
+                    yield value, REGEX if key == PATTERN and item.get("type") == REGEX else key
                     continue
                 if key == "patternProperties" and isinstance(value, dict):
                     yield from ((k, PATTERN) for k in value if isinstance(k, str))
@@ -138,7 +144,8 @@ def shape(pattern: str, counted: bool = True) -> Shape:
     """One pass over the pattern, linear in its length. Its `{m,n}` counts cost as much as their
     span in a JSON schema's pattern (`counted`), and as one `*` elsewhere (xgrammar keeps a plain
     regex's or a grammar's count as one repetition)."""
-    frames = [[0, False, 1]]  # per open group: its places, whether an alternative is empty, its width
+    frames = [[0, False, 1, 0]]  # per open group: its places, whether an alternative is empty, its width,
+    # where its inside starts
     squares = deepest = i = 0
     while i < len(pattern):
         c, weight, inner = pattern[i], 1, 0  # what a quantifier here multiplies; a closed group's own places
@@ -146,24 +153,26 @@ def shape(pattern: str, counted: bool = True) -> Shape:
             weight = WIDE if pattern[i + 1:i + 2] in ("S", "W", "D") else 1
             i += 2
         elif c == "[":
-            weight = WIDE if pattern[i + 1:i + 2] == "^" else 1
-            i += 1 + (pattern[i + 1:i + 2] == "^")
+            negated = pattern[i + 1:i + 2] == "^"
+            start = i = i + 1 + negated
             if pattern[i:i + 1] != "]":  # `[]` and `[^]` end there; other classes at the next `]`
                 while i < len(pattern) and pattern[i] != "]":
                     i += 2 if pattern[i] == "\\" else 1
+            weight = WIDE if negated or _wide_class(pattern[start:i]) else 1
             i += 1
         elif c == "(":
-            frames.append([0, pattern[i + 1:i + 2] == "|", 1])
-            deepest = max(deepest, len(frames) - 1)
             i += 1 + (pattern[i + 1:i + 2] == "?")  # a group's kind, not a quantifier
+            frames.append([0, pattern[i:i + 1] == "|", 1, i])
+            deepest = max(deepest, len(frames) - 1)
             continue
         elif c == "|":
             frames[-1][1] |= pattern[i - 1:i] in ("", "|") or pattern[i + 1:i + 2] in ("", "|", ")")
             i += 1
             continue
         elif c == ")" and len(frames) > 1:
-            inner, empty, width = frames.pop()
+            inner, empty, width, start = frames.pop()
             weight = max(inner, width)
+            frames[-1][1] |= not pattern[start:i].lstrip(":=!")  # `()`, `(?:)`: an empty alternative, or as good
             i += 1
             if _quantifier(pattern, i, counted) is None:  # an empty alternative leaves the group out, as `?` does
                 frames[-1][0] += inner + empty * weight
@@ -175,7 +184,7 @@ def shape(pattern: str, counted: bool = True) -> Shape:
             i = stray[2]
             continue
         else:
-            weight = WIDE if c == "." else 1
+            weight = WIDE if c == "." else RULE if c == _RULE else 1
             i += 1
         frames[-1][2] = max(frames[-1][2], weight)
         if (quantity := _quantifier(pattern, i, counted)) is not None:
@@ -183,6 +192,19 @@ def shape(pattern: str, counted: bool = True) -> Shape:
             squares += quantity[1] ** 2
             i = quantity[2]  # a `?` after it (lazy to xgrammar) is read as one more place: never fewer
     return Shape(sum(f[0] + f[1] * f[2] for f in frames), squares, deepest)
+
+
+def _wide_class(inside: str) -> bool:
+    """Whether a class takes most of the vocabulary, as a negated one does: it holds a negated
+    shorthand (`[\\s\\S]`) or a range of more than WIDE_RANGE code points."""
+    if re.search(r"\\[SWD]", inside):
+        return True
+    chars = _CLASS_CHAR.findall(inside)
+    return any(dash == "-" and _code(b) - _code(a) > WIDE_RANGE for a, dash, b in zip(chars, chars[1:], chars[2:]))
+
+
+def _code(char: str) -> int:
+    return int(char[2:], 16) if len(char) > 2 else ord(char[-1])
 
 
 def _quantifier(pattern: str, i: int, counted: bool = True) -> tuple[int, int, int] | None:
@@ -206,19 +228,21 @@ def _count(digits: str | None) -> int:
 
 
 def _ebnf_atoms(grammar: str) -> str:
-    """An EBNF grammar as `shape` reads it: each quoted string one literal (a `[` or `(` inside
-    one is text, and must not open a class that hides what follows), comments left out,
-    character classes kept whole (a `"` or `#` inside one is text too)."""
+    """A grammar as `shape` reads it, EBNF or Lark (vLLM converts a grammar with no `::=` from
+    Lark): a quoted string (either quote) one literal, an empty one nothing (`| ""` is an empty
+    alternative); a rule's name `_RULE`, weighed as a wide rule; comments (`#`, `//`) and
+    spaces left out (`( )` is an empty group); a character class kept whole. A `[` or `(` in a
+    string or a comment must not open what hides the rest."""
     out, i, n = [], 0, len(grammar)
     while i < n:
         c = grammar[i]
-        if c == '"':
-            i += 1
+        if c in "\"'":
+            start, i = i + 1, i + 1
             while i < n and grammar[i] != c:
                 i += 2 if grammar[i] == "\\" else 1
-            out.append("a")
+            out.append("a" if i > start else "")
             i += 1
-        elif c == "#":
+        elif c == "#" or grammar.startswith("//", i):
             while i < n and grammar[i] not in "\r\n":
                 i += 1
         elif c == "[":
@@ -227,6 +251,11 @@ def _ebnf_atoms(grammar: str) -> str:
                 i += 2 if grammar[i] == "\\" else 1
             out.append(grammar[start:i + 1])
             i += 1
+        elif c.isspace():
+            i += 1
+        elif (name := _NAME.match(grammar, i)) is not None:
+            out.append(_RULE)
+            i = name.end()
         else:
             out.append(c)
             i += 1
