@@ -3,6 +3,7 @@ none, or the range an operator's calibration pin opens. Pure: the controller cal
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass, field
 
@@ -125,10 +126,19 @@ def _found(spec: PoolSpec, profile: Profile, source: str) -> tuple[CalibrationJs
     return profiled(profile, source), profile
 
 
+def _measured_at(profile: Profile) -> datetime.datetime:
+    """When a profile was measured; one whose time does not read is the oldest."""
+    try:
+        at = datetime.datetime.fromisoformat(profile.created_at)
+    except ValueError:
+        return datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+    return at if at.tzinfo else at.replace(tzinfo=datetime.timezone.utc)
+
+
 def settle(spec: PoolSpec, fingerprint: Fingerprint | None, profiles: ProfileStore
            ) -> tuple[CalibrationJson, Profile | None]:
-    """The profile a pool runs on: the store's for its fingerprint, else the configured one if its
-    fingerprint matches; without one, what `calibration.mode` says. A pool configured with a
+    """The profile a pool runs on: the store's for its fingerprint, or the configured one if its
+    fingerprint matches and it was measured later; without one, what `calibration.mode` says. A pool configured with a
     range instead of a profile keeps that range, unless its mode is `auto` (then the range is its
     fallback until a sweep has measured the set-up)."""
     mode = spec.calibration.mode
@@ -138,9 +148,12 @@ def settle(spec: PoolSpec, fingerprint: Fingerprint | None, profiles: ProfileSto
         if spec.profile is None:
             return CalibrationJson(state="manual", source="limits.range (no fingerprint to look up)"), None
         return profiled(spec.profile, "the configured profile (no fingerprint to check)"), spec.profile
-    if (stored := profiles.get(spec.name, fingerprint)) is not None:
+    configured = spec.profile is not None and spec.profile.fingerprint == fingerprint
+    # a hand calibration of this set-up (`poolserve calibrate`) replaces the sweep it was run to redo
+    if (stored := profiles.get(spec.name, fingerprint)) is not None and not (
+            configured and _measured_at(spec.profile) > _measured_at(stored)):
         return _found(spec, stored, f"the profile store (measured {stored.created_at})")
-    if spec.profile is not None and spec.profile.fingerprint == fingerprint:
+    if configured:
         profiles.put(spec.profile)
         return _found(spec, spec.profile, "the configured profile")
     why = ("; ".join(spec.profile.fingerprint.differences(fingerprint)) if spec.profile is not None

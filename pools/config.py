@@ -105,7 +105,8 @@ class ReplicaConfig(Frozen):
 
 class LimitsConfig(Frozen):
     """Runtime batch limits. With a profile, its measured safe range rules; without one,
-    `range` and `ladder` must be given and the pool is marked uncalibrated."""
+    `range` must be given, and in `calibration.mode` `auto` the pool serves at its fallback range
+    until a sweep has measured its set-up (otherwise it keeps that range, uncalibrated)."""
 
     profile: str | None = Field(None, description="Calibration profile YAML (`poolserve calibrate`).")
     start: int | None = Field(None, ge=1, description="max_active_seqs at start (default: the range's bottom).")
@@ -142,7 +143,7 @@ class CalibrationConfig(Frozen):
                             "`limits.start`, bounded by the KV budget) and calibrate in the background, then move "
                             "inside the measured range; fallback: the fallback range and no sweep (a pool "
                             "configured with `limits.range` keeps that range); strict: the bottom of the "
-                            "configured range.")
+                            "configured range (a pool configured with `limits.range` keeps that range).")
     ladder: tuple[int, ...] | None = Field(
         None, description="Steps of the sweep (default: the profile's ladder, up to engine.max_num_seqs).")
     lengths: str = Field("trace", pattern=r"^(trace|[1-9][0-9]*/[1-9][0-9]*)$",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 from pydantic import ValidationError
@@ -84,3 +85,26 @@ def test_an_slo_rebuilt_from_seconds_is_the_profiles_own():
     rebuilt = SLOSpec(ttft_p99_ms=1.001 * 1e3, tpot_p99_ms=0.1 * 1e3)
     assert rebuilt.ttft_p99_ms != 1001
     assert at_slo(CAL, profile, rebuilt)[1] is profile
+
+
+@pytest.mark.parametrize("configured_at, stored_at, runs", [
+    ("2026-12-06T12:00:00+0000", "2026-12-05T09:00:00+0000", "configured"),  # a hand calibration after the sweep
+    ("2026-11-30", "2026-12-05T09:00:00+0000", "stored"),  # a shipped profile older than the sweep
+], ids=["hand-calibrated", "shipped"])
+def test_the_later_of_the_configured_and_the_stored_profile_of_a_set_up_rules(configured_at, stored_at, runs):
+    """`poolserve calibrate` writes a profile the config points to; at the next start the store's
+    profile of the same set-up, a background sweep's, won, and the hand calibration did
+    nothing (found by a review)."""
+    from autoscale.profile import Fingerprint
+    from autoscale.ranges import settle
+    from autoscale.store import ProfileStore
+    from infra.state import MemoryStore
+    from tests.unit.test_selfcal import ELSEWHERE, configured_profile, spec
+
+    configured = configured_profile().model_copy(update={"created_at": configured_at})
+    stored = configured.model_copy(update={"created_at": stored_at, "range": (1, 4)})
+    profiles = ProfileStore(MemoryStore())
+    profiles.put(stored)
+    cal, profile = settle(dataclasses.replace(spec(), profile=configured), Fingerprint(**ELSEWHERE), profiles)
+    assert profile == (configured if runs == "configured" else stored), cal
+    assert profiles.get("p", Fingerprint(**ELSEWHERE)) == profile  # the one it runs on is the stored one now
