@@ -27,12 +27,19 @@ class Measured(Frozen):
 
     @field_validator("*", mode="before")  # before a bound's check, which NaN fails with a message of its own
     @classmethod
-    def _not_nan(cls, value):
+    def _not_nan_as_given(cls, value):
         try:
             number = float(value) if isinstance(value, (str, float)) else None
         except ValueError:
             number = None
-        if number is not None and not math.isfinite(number):
+        if number is not None:
+            cls._not_nan(number)
+        return value
+
+    @field_validator("*")  # and as read (a Decimal, bytes or a numpy float NaN)
+    @classmethod
+    def _not_nan(cls, value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{value} is not a number a range can be judged by: measure the pool again "
                              "(poolserve calibrate) or give the value")
         return value
@@ -59,6 +66,14 @@ class TrafficSpec(Frozen):
     total_tokens: LengthStats
 
 
+class LengthBand(Measured):
+    """Responses of `min_tokens` to twice that, less one: how many, and their P99 end to end."""
+
+    min_tokens: int
+    responses: int
+    e2e_p99_ms: float
+
+
 class LadderRow(Measured):
     max_active_seqs: int
     requests: int  # answered in the measured window (errors and rejections are counted apart)
@@ -77,7 +92,10 @@ class LadderRow(Measured):
     rejections: int
     offered_req_per_s: float | None = None  # open-loop ladders: the rate sent (achieved is req_per_s)
     output_tokens_mean: float | None = None  # per completed response (else output tok/s over req/s)
-    output_tokens_p99: float | None = None  # the longest responses', which set a whole response's P99 latency
+    # whole responses: each length band's P99 end to end, each held to what the SLO allows its
+    # shortest (one figure for all, the mean's allowance failed a pool that kept its SLO for
+    # every token where lengths vary, and the longest's passed slow short ones)
+    e2e_by_length: tuple[LengthBand, ...] = ()
 
 
 class KneeRule(Measured):
@@ -102,11 +120,17 @@ class KneeRule(Measured):
     headroom_steps: int = Field(0, ge=0)
 
 
-def response_lengths(tokens: list[int]) -> dict[str, float | None]:
-    """A step's completed responses' lengths, as its row keeps them."""
-    if not tokens:
-        return {"output_tokens_mean": None, "output_tokens_p99": None}
-    return {"output_tokens_mean": sum(tokens) / len(tokens), "output_tokens_p99": percentile(tokens, 99)}
+def response_lengths(done: list[tuple[int, float]]) -> dict:
+    """A step's completed responses, (output tokens, seconds end to end) each, as its row keeps
+    them: their mean length, and their P99 end to end by length band (powers of two)."""
+    if not done:
+        return {"output_tokens_mean": None}
+    bands: dict[int, list[float]] = {}
+    for tokens, e2e in done:
+        bands.setdefault(1 << max(tokens, 1).bit_length() >> 1, []).append(e2e * 1e3)
+    return {"output_tokens_mean": sum(t for t, _ in done) / len(done),
+            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_p99_ms=percentile(v, 99))
+                                   for k, v in sorted(bands.items()))}
 
 
 class SLOSpec(Measured):

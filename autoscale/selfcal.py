@@ -30,7 +30,7 @@ from autoscale.controller import Controller
 from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, response_lengths
 from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
-from infra.stats import counter_rate, percentile
+from infra.stats import PerReplica, counter_rate, percentile
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
 from pools.control import ReplicaStats
 from pools.llm import request_models
@@ -54,7 +54,7 @@ class NotNow(Exception):
 class _Sample:
     t: float
     kv: float
-    preemptions: int
+    preemptions: dict[str, int]  # replica -> its engine's count
     own_work: int
 
 
@@ -205,7 +205,7 @@ class Calibrator:
             reports = [s for _, s in timed]
             counters.add(timed)
             samples.append(_Sample(now, max((s.engine.kv_usage for s in reports), default=0.0),
-                                   sum(s.engine.preemptions for s in reports), sum(s.gate.own_work for s in reports)))
+                                   {s.replica: s.engine.preemptions for s in reports}, sum(s.gate.own_work for s in reports)))
             if samples[-1].own_work:
                 self._busy_at = now
                 raise Interrupted
@@ -273,6 +273,13 @@ class Calibrator:
                            **lengths.stats())
 
 
+def _added(readings: list[dict[str, int]]) -> int:
+    counted = PerReplica()
+    for counts in readings:
+        counted.read(counts)
+    return counted.added()
+
+
 def _pcts(xs: list[float]) -> Percentiles:
     if not xs:
         return Percentiles(p50=0.0, p95=0.0, p99=0.0)
@@ -295,6 +302,6 @@ def _row(seqs: int, results: list[Result], samples: list[_Sample], counters: _Co
         tpot_ms=_pcts([r.tpot for r in done if r.tpot is not None]),
         e2e_ms=_pcts([r.e2e for r in done]),
         kv_usage_max=max((s.kv for s in inside), default=0.0),
-        preemptions=(inside[-1].preemptions - inside[0].preemptions) if len(inside) > 1 else 0,
+        preemptions=_added([s.preemptions for s in inside]),
         errors=sum(1 for r in results if a <= r.start < b and r.status not in (0, 200)), rejections=0,
-        **response_lengths([r.output_tokens for r in done]))
+        **response_lengths([(r.output_tokens, r.e2e) for r in done]))

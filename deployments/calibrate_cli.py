@@ -28,7 +28,7 @@ from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SL
 from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
 from infra.results import Result, Summary
-from infra.stats import counter_rate
+from infra.stats import PerReplica, counter_rate
 from infra.wire import http_url
 from infra.traffic import synthetic_lengths, trace_lengths
 
@@ -45,14 +45,15 @@ class EngineSampler:
         self._admin, self._pool, self.lag_s, self._every = admin, pool, lag_s, every_s
         self.kv_max, self._stop = 0.0, threading.Event()
         self.tokens: dict[str, list[tuple[float, int]]] = {}  # replica -> (time.monotonic(), generated tokens)
-        self._pre0 = self._preemptions()
+        self._preempted = PerReplica()
+        self._preempted.read(self._preemptions())
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _replicas(self):
         return self._admin.pool(self._pool).replicas
 
-    def _preemptions(self) -> int:
-        return sum(r.engine.preemptions for r in self._replicas())
+    def _preemptions(self, replicas=None) -> dict[str, int]:
+        return {r.replica: r.engine.preemptions for r in replicas or self._replicas()}
 
     def _sample(self) -> None:
         replicas = self._replicas()
@@ -63,6 +64,7 @@ class EngineSampler:
             if not series or at > series[-1][0]:
                 series.append((at, r.engine.generated_tokens))
         self.kv_max = max([self.kv_max] + [r.engine.kv_usage for r in replicas])
+        self._preempted.read(self._preemptions(replicas))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -94,7 +96,8 @@ class EngineSampler:
         self._stop.set()
         self._thread.join()
         try:
-            self.preemptions = self._preemptions() - self._pre0
+            self._preempted.read(self._preemptions())
+            self.preemptions = self._preempted.added()
         except Exception as e:  # noqa: BLE001 - the step's figures stand without it
             print(f"  (preemptions unknown: {type(e).__name__}: {e})", file=sys.stderr)
             self.preemptions = 0
@@ -131,7 +134,7 @@ def step_row(seqs: int, s: Summary, steady: bool, done: list[Result], engine_rat
         goodput_req_per_s=s.goodput_req_per_s or 0.0, ttft_ms=_pct(s.ttft_ms), tpot_ms=_pct(s.tpot_ms),
         e2e_ms=_pct(s.e2e_ms), kv_usage_max=kv_max, preemptions=preemptions,
         errors=round(s.error_rate * s.requests), rejections=round(s.rejection_rate * s.requests),
-        **response_lengths([r.output_tokens for r in done]))
+        **response_lengths([(r.output_tokens, r.e2e) for r in done if r.e2e is not None]))
 
 
 def _write(profile, out: Path) -> None:

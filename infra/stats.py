@@ -32,3 +32,29 @@ def counter_rate(samples: Sequence[tuple[float, float]], a: float, b: float) -> 
     source restarted and began again)."""
     x, y = counter_at(samples, a), counter_at(samples, b)
     return None if x is None or y is None or y < x or b <= a else (y - x) / (b - a)
+
+
+class PerReplica:
+    """What replicas' cumulative counters (an engine's preemptions) added over a window, each
+    replica from its own first reading in it. Summed over the replicas that reported, a replica
+    whose report was stale at the window's start and fresh at its end added its whole history
+    (a healthy step read as 400 preemptions), and the other way round took it away; a counter
+    that went back (a restarted replica) counts from zero."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self._before: dict[str, int] = {}  # what a replica added before it restarted
+
+    def read(self, counts: dict[str, int]) -> None:
+        for replica, n in counts.items():
+            self.first.setdefault(replica, n)
+            previous = self.last.get(replica, n)
+            if n < previous:  # restarted: from zero since
+                self._before[replica] = self._before.get(replica, 0) + previous - self.first[replica]
+                self.first[replica] = 0
+            self.last[replica] = n
+
+    def added(self) -> int:
+        return sum(n - self.first[r] + self._before.get(r, 0) for r, n in self.last.items())
+

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from autoscale.calibrate import build_profile
 from autoscale.knee import find_knee, violations
-from autoscale.profile import KneeRule, SLOSpec
+from autoscale.profile import KneeRule, SLOSpec, response_lengths
 from autoscale.ranges import at_slo
 from pools.control import CalibrationJson
 from tests.unit.test_knee import FP, RULE, SLO, TRAFFIC, ladder, row
@@ -26,16 +26,32 @@ def test_a_step_that_preempts_is_a_hard_limit():
     assert (v.low, v.high, v.decided_by) == (4, 8, "hard limit") and "400 preemptions" in v.reason
 
 
-def test_whole_responses_of_varying_length_are_held_to_their_longest():
+def test_whole_responses_are_held_to_what_the_slo_allows_each_length():
     """20 ms a token against a TPOT SLO of 50, responses of 200 tokens on average and 1,000 at
     P99: the P99 latency (20 s) was held to what the SLO allows the mean (10.9 s), and the pool
-    was infeasible at batch size 1 (found by a review)."""
-    step = row(1, 50, 0.0, 0.0, e2e_p99=20_000.0).model_copy(update={"output_tokens_mean": 200.0,
-                                                                       "output_tokens_p99": 1000.0})
+    was infeasible at batch size 1 (found by a review). Held to the longest instead, 985 short
+    responses of 30 s each passed beside 15 long ones (found by the review of that)."""
     slo = SLOSpec(ttft_p99_ms=1000, tpot_p99_ms=50)
-    assert violations(step, slo, RULE) == []
-    slow = step.model_copy(update={"e2e_ms": step.e2e_ms.model_copy(update={"p99": 60_000.0})})
-    assert violations(slow, slo, RULE) and "1000 tokens" in violations(slow, slo, RULE)[0]
+
+    def step(done):
+        return row(1, 50, 0.0, 0.0, e2e_p99=max(e for _, e in done) * 1e3).model_copy(
+            update=response_lengths(done))
+    varied = [(n, 0.02 * n) for n in [100] * 60 + [200] * 30 + [1000] * 10]
+    assert violations(step(varied), slo, RULE) == []
+    slow_short = [(10, 30.0)] * 985 + [(1000, 21.0)] * 15
+    found = violations(step(slow_short), slo, RULE)
+    assert found and "response of 8 tokens" in found[0], found
+
+
+def test_a_replica_stale_at_a_steps_start_adds_no_history_to_its_preemptions():
+    """Counts were summed over the replicas that reported: one whose report was stale at the
+    start and fresh at the end added its whole history (400 old preemptions made a healthy step
+    a hard limit), and the other way round hid real ones (found by a review)."""
+    from autoscale.selfcal import _added
+
+    assert _added([{"a": 10}, {"a": 10, "b": 400}, {"a": 10, "b": 400}]) == 0
+    assert _added([{"a": 10, "b": 400}, {"a": 40}]) == 30
+    assert _added([{"a": 10}, {"a": 12}, {"a": 3}]) == 5  # restarted: 2 before, 3 since
 
 
 @pytest.mark.parametrize("field, value", [("kv_watermark", 90.0), ("kv_watermark", 0.0), ("max_error_rate", 1.5),
@@ -108,3 +124,13 @@ def test_the_later_of_the_configured_and_the_stored_profile_of_a_set_up_rules(co
     cal, profile = settle(dataclasses.replace(spec(), profile=configured), Fingerprint(**ELSEWHERE), profiles)
     assert profile == (configured if runs == "configured" else stored), cal
     assert profiles.get("p", Fingerprint(**ELSEWHERE)) == profile  # the one it runs on is the stored one now
+
+
+@pytest.mark.parametrize("value", ["nan", b"nan", float("inf"), "decimal-nan", "decimal-inf"])
+def test_a_number_that_is_not_one_is_refused_in_any_form(value):
+    """Read before pydantic's own checks (a bound's message hid why), a Decimal or bytes NaN passed."""
+    from decimal import Decimal
+
+    value = {"decimal-nan": Decimal("NaN"), "decimal-inf": Decimal("Infinity")}.get(value, value)
+    with pytest.raises(ValidationError, match="is not a number a range can be judged by"):
+        SLOSpec(ttft_p99_ms=value, tpot_p99_ms=50)
