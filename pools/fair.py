@@ -66,13 +66,16 @@ class FairClass:
 
     def crowding(self, tenant: str) -> Iterator[Ticket]:
         """The tickets a full queue gives up for one more of `tenant`'s in this class, lazily: the
-        newest of whichever tenant queues the most here, while it queues more than `tenant` (whose
-        new ticket is queued already). First come within a class let one tenant hold the queue,
+        newest of whichever tenant queues the most here for its weight, while it queues more for
+        its weight than `tenant` (whose new ticket is queued already), and never a tenant's first,
+        which may be the class's head. First come within a class let one tenant hold the queue,
         and another of the same class, however light, was refused."""
         left = {x: len(q) for x, q in self.queues.items()}
-        while (x := max((x for x in left if x != tenant), key=left.__getitem__, default=None)) is not None \
-                and left[x] > left.get(tenant, 0):
+        share = {x: left[x] / q[0].weight for x, q in self.queues.items()}
+        while (x := max((x for x in left if x != tenant and left[x] > 1), key=share.__getitem__,
+                        default=None)) is not None and share[x] > share.get(tenant, 0.0):
             left[x] -= 1
+            share[x] = left[x] / self.queues[x][0].weight
             yield self.queues[x][left[x]]
 
     def oldest_enqueue(self) -> float | None:

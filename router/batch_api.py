@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -60,21 +61,34 @@ class BatchApi:
                 raise _too_large(self._s.max_file_bytes)
             if self._uploading[tenant.name] >= self._s.max_uploads_per_tenant:
                 raise ApiError(429, "too_many_uploads", f"{self._uploading[tenant.name]} uploads of this tenant are "
-                                                        "still arriving (batches.max_uploads_per_tenant); send the "
+                                                        "still arriving or being written "
+                                                        "(batches.max_uploads_per_tenant); send the "
                                                         "next when one has finished", "file", retry_after_s=5)
             self._uploading[tenant.name] += 1  # before any await: uploads arriving at once count each other
-            try:  # until it is written: each holds its file in memory, and is not yet in the tenant's share
+            keeping = None  # until it is written: each holds its file in memory, and is not yet in the tenant's share
+            try:
                 await asyncio.to_thread(self._room_for, tenant.name, 1)  # full already: refused before the body
                 name, purpose, content, expires_after_s = await self._arrival(request, limit)
-                await asyncio.to_thread(self._check_batch_file, content)
-                await asyncio.to_thread(self._room_for, tenant.name, len(content))
-                return await asyncio.to_thread(self._files.create, tenant.name, name, purpose, content,
-                                               expires_after_s)
+                keeping = asyncio.ensure_future(asyncio.to_thread(self._keep, tenant.name, name, purpose, content,
+                                                                  expires_after_s))
+                keeping.add_done_callback(functools.partial(self._arrived, tenant.name))  # it outlives its caller
+                return await asyncio.shield(keeping)
             finally:
-                self._uploading[tenant.name] -= 1
-                if not self._uploading[tenant.name]:
-                    del self._uploading[tenant.name]
+                if keeping is None:
+                    self._arrived(tenant.name)
         return await self._run(request, run)
+
+    def _keep(self, tenant: str, name: str, purpose: str, content: bytes, expires_after_s: int | None) -> dict:
+        self._check_batch_file(content)
+        self._room_for(tenant, len(content))
+        return self._files.create(tenant, name, purpose, content, expires_after_s)
+
+    def _arrived(self, tenant: str, kept: asyncio.Future | None = None) -> None:
+        if kept is not None and not kept.cancelled():
+            kept.exception()  # its caller may have left: its refusal is read here, not left unread
+        self._uploading[tenant] -= 1
+        if not self._uploading[tenant]:
+            del self._uploading[tenant]
 
     async def _arrival(self, request: Request, limit: int) -> tuple[str, str, bytes, int | None]:
         """The upload, once it arrived within `upload_timeout_s`."""

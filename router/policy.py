@@ -100,8 +100,10 @@ def queue_surely_full(waiting: dict[PriorityClass, Mapping[str, int]], priority:
 
     A gate evicts a strictly less important queued request for a more important one, and in a
     class the newest of a tenant that queues more than this one's (`FairClass.crowding`), so
-    only these count: the more important classes', the tenant's own in its class, and of each
-    other tenant's in its class as many as the tenant's own and one. Up to `seats` of them (the
+    only these count: the more important classes', the tenant's own in its class, and one of
+    each other tenant's in its class (a gate keeps at least one of each; more would count what
+    other replicas' gates hold, each against its own queue, and requests already admitted whose
+    verdicts are on their way, as this router cannot tell them apart). Up to `seats` of them (the
     pool's engine ceiling across its replicas) may be admitted to free slots rather than
     queued. So the queue is surely full only when those requests fill both the seats and the
     queue. Each count is a lower bound on the gate's (other router replicas add to it), so
@@ -112,7 +114,7 @@ def queue_surely_full(waiting: dict[PriorityClass, Mapping[str, int]], priority:
         return False
     own = waiting.get(priority, {}).get(tenant, 0)
     ahead = sum(sum(by_tenant.values()) for cls, by_tenant in waiting.items() if cls < priority)
-    ahead += own + sum(min(n, own + 1) for t, n in waiting.get(priority, {}).items() if t != tenant)
+    ahead += own + sum(min(n, 1) for t, n in waiting.get(priority, {}).items() if t != tenant)
     return ahead >= queue_slots + seats
 
 

@@ -9,6 +9,8 @@ Invariants (the gate's promises):
   * nothing is admitted above the current limits or the engine ceiling, except a request
     that runs alone on an idle replica;
   * strict priority: no ticket is admitted while a more important one is left waiting;
+  * a full class gives up a tenant's tickets for another's only while the first queues more
+    for its weight, and never its first;
   * no free capacity is left unused: outside a wait window, a poll admits nothing new;
   * borrowed work never waits behind the pool's own: outside a wait window, while an own
     request waits for room, no borrowed one is queued (it goes home, `lender_busy`);
@@ -67,7 +69,16 @@ class GateModel:
         t = self.gate.new_ticket(r.choice("abc"), r.choice([1.0, 2.0]), r.choice(list(P)),
                                  r.randint(1, 600) * seqs, seqs)
         self.tickets[t.id], self.state[t.id] = t, "queued"
-        return self.gate.offer(t)
+        changes = self.gate.offer(t)
+        queues = self.gate._classes[t.priority].queues
+        for v in {r.ticket.tenant: r.ticket for r in changes.rejected
+                  if r.reason == "evicted" and r.ticket.priority == t.priority}.values():
+            # given up for `t`: never a tenant's first, and only while it queued more for its weight
+            assert v.tenant != t.tenant and queues.get(v.tenant), (v, t)
+            mine = queues.get(t.tenant) or [t]  # a tenant's weight is its first ticket's (a config's, constant)
+            assert (len(queues[v.tenant]) + 1) / queues[v.tenant][0].weight > len(queues.get(t.tenant, ())) / \
+                mine[0].weight, (v, t)
+        return changes
 
     def release(self) -> Changes | None:
         active = self.ids("active")

@@ -44,9 +44,21 @@ def test_a_full_queue_makes_room_in_a_class_for_the_tenant_queueing_least():
     gate, _ = make_gate(seqs=1, max_queued=4)
     offer(gate, "hog")  # holds the only slot
     hogs = [offer(gate, "hog")[0] for _ in range(4)]
-    light, ch = offer(gate, "light", weight=100.0)
+    light, ch = offer(gate, "light")
     assert [(r.ticket, r.reason) for r in ch.rejected] == [(hogs[-1], "evicted")] and gate.is_queued(light.id)
     second, ch = offer(gate, "light")  # now 3 against 2: one more of the hog's
     assert [r.ticket for r in ch.rejected] == [hogs[-2]]
     third, ch = offer(gate, "light")  # 2 against 3: its own is refused, the hog keeps its share
     assert [(r.ticket, r.reason) for r in ch.rejected] == [(third, "queue_full")]
+
+
+def test_a_tenant_of_more_weight_keeps_more_of_a_full_queue():
+    """Weight is a tenant's share under contention: counted in tickets alone, a tenant of weight
+    10 holding four places was cut to two by a tenant of weight 1 (found by a review)."""
+    gate, _ = make_gate(seqs=1, max_queued=6)
+    offer(gate, "x")  # holds the only slot
+    heavy = [offer(gate, "heavy", weight=10.0)[0] for _ in range(4)]
+    light = [offer(gate, "light")[0] for _ in range(2)]
+    _, ch = offer(gate, "light")  # 3 of light's for its weight 1 against 4 of heavy's for its 10
+    assert [(r.ticket.tenant, r.reason) for r in ch.rejected] == [("light", "queue_full")]
+    assert all(gate.is_queued(t.id) for t in heavy + light)

@@ -94,7 +94,11 @@ def test_queue_surely_full_leaves_a_tenant_room_another_of_its_class_crowds():
     waiting = {P.STANDARD: {"hog": 8}}
     assert queue_surely_full(waiting, P.STANDARD, "hog", 8, 0)
     assert not queue_surely_full(waiting, P.STANDARD, "light", 8, 0)  # 0 of its own and 1 of the hog's count
-    assert queue_surely_full({P.STANDARD: {"hog": 8, "light": 4}}, P.STANDARD, "light", 8, 0)  # 4 + 5 >= 8
+    assert queue_surely_full({P.STANDARD: {"hog": 8, "light": 7}}, P.STANDARD, "light", 8, 0)  # 7 + 1 >= 8
+    # two replicas, each gate weighing its own queue: the hog's 3 on one, the light's 3 on the
+    # other; the light's next is queued on the first, which gives up the hog's newest. Crediting
+    # the hog as many as the light's own and one shed it (found by a review)
+    assert not queue_surely_full({P.STANDARD: {"hog": 3, "light": 3}}, P.STANDARD, "light", 4, 2)
 
 
 @pytest.mark.parametrize("waiting, queue, seats, full", [
