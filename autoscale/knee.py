@@ -4,8 +4,8 @@ Pure: rows in, verdict out. Every rule below proposes a highest usable step; the
 is [the lowest step, the lowest of those], and the verdict names the rule that set it.
 
   hard limits  A step that breaks the SLO (P99 TTFT or P99 TPOT, where measured; for whole
-               responses, a length band's P99 end to end above the TTFT SLO plus the TPOT SLO for
-               each further token of the band's shortest), runs the KV cache above the watermark,
+               responses, more than 1% of them later than the TTFT SLO plus the TPOT SLO for each
+               further token of their length band's shortest), runs the KV cache above the watermark,
                preempts, or errs more than allowed is unsafe, and so is every step above it.
   unsteady     A step whose measurement never became steady (it hit its time cap) is not
                evidence: the range stops below it.
@@ -59,12 +59,18 @@ def violations(row: LadderRow, slo: SLOSpec, rule: KneeRule) -> list[str]:
     if row.tpot_ms.p99 > slo.tpot_p99_ms:
         out.append(f"P99 TPOT {row.tpot_ms.p99:.1f} ms > SLO {slo.tpot_p99_ms:.1f} ms")
     if row.ttft_ms.p99 <= 0 < row.e2e_ms.p99 and row.req_per_s > 0:  # whole responses: no first token to time
-        mean = row.output_tokens_mean or row.output_tok_per_s / row.req_per_s  # a row of before: the mean's
-        for tokens, p99 in [(b.min_tokens, b.e2e_p99_ms) for b in row.e2e_by_length] or [(mean, row.e2e_ms.p99)]:
-            bound = slo.ttft_p99_ms + max(tokens - 1, 0) * slo.tpot_p99_ms
-            if p99 > bound:
-                out.append(f"P99 latency {p99:.0f} ms > {bound:.0f} ms, what the SLO allows a streamed response "
-                           f"of {tokens:.0f} tokens")
+        allowed = lambda tokens: slo.ttft_p99_ms + max(tokens - 1, 0) * slo.tpot_p99_ms  # noqa: E731
+        if row.e2e_by_length:  # P99 over all: more than 1% of the responses late for their length
+            late = sum(b.over(allowed(b.min_tokens)) for b in row.e2e_by_length)
+            answered = sum(b.responses for b in row.e2e_by_length)
+            if late > 0.01 * answered:
+                out.append(f"up to {late:.0f} of {answered} responses took longer than the SLO allows a streamed "
+                           "response of their length")
+        else:  # a row of before: the mean's length
+            mean = row.output_tokens_mean or row.output_tok_per_s / row.req_per_s
+            if row.e2e_ms.p99 > allowed(mean):
+                out.append(f"P99 latency {row.e2e_ms.p99:.0f} ms > {allowed(mean):.0f} ms, what the SLO allows a "
+                           f"streamed response of {mean:.0f} tokens")
     if row.kv_usage_max > rule.kv_watermark:
         out.append(f"KV usage {row.kv_usage_max:.0%} > watermark {rule.kv_watermark:.0%}")
     if row.preemptions > 0:  # the KV cache ran out (a sampled KV usage misses its peaks); the policy steps down

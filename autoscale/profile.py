@@ -67,11 +67,19 @@ class TrafficSpec(Frozen):
 
 
 class LengthBand(Measured):
-    """Responses of `min_tokens` to twice that, less one: how many, and their P99 end to end."""
+    """Responses of `min_tokens` to twice that, less one: how many, and their end to end."""
 
     min_tokens: int
     responses: int
-    e2e_p99_ms: float
+    e2e_ms: Percentiles
+    e2e_max_ms: float
+
+    def over(self, allowed_ms: float) -> float:
+        """At most how many of its responses took longer than `allowed_ms`, from its percentiles."""
+        e = self.e2e_ms
+        share = next((f for f, at in ((0.0, self.e2e_max_ms), (0.01, e.p99), (0.05, e.p95), (0.5, e.p50))
+                      if at <= allowed_ms), 1.0)
+        return share * self.responses
 
 
 class LadderRow(Measured):
@@ -92,9 +100,9 @@ class LadderRow(Measured):
     rejections: int
     offered_req_per_s: float | None = None  # open-loop ladders: the rate sent (achieved is req_per_s)
     output_tokens_mean: float | None = None  # per completed response (else output tok/s over req/s)
-    # whole responses: each length band's P99 end to end, each held to what the SLO allows its
-    # shortest (one figure for all, the mean's allowance failed a pool that kept its SLO for
-    # every token where lengths vary, and the longest's passed slow short ones)
+    # whole responses by length band, each held to what the SLO allows its shortest (one figure
+    # for all, the mean's allowance failed a pool that kept its SLO for every token where lengths
+    # vary, and the longest's passed slow short ones)
     e2e_by_length: tuple[LengthBand, ...] = ()
 
 
@@ -122,15 +130,15 @@ class KneeRule(Measured):
 
 def response_lengths(done: list[tuple[int, float]]) -> dict:
     """A step's completed responses, (output tokens, seconds end to end) each, as its row keeps
-    them: their mean length, and their P99 end to end by length band (powers of two)."""
+    them: their mean length, and their end to end by length band (powers of two)."""
     if not done:
         return {"output_tokens_mean": None}
     bands: dict[int, list[float]] = {}
     for tokens, e2e in done:
         bands.setdefault(1 << max(tokens, 1).bit_length() >> 1, []).append(e2e * 1e3)
     return {"output_tokens_mean": sum(t for t, _ in done) / len(done),
-            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_p99_ms=percentile(v, 99))
-                                   for k, v in sorted(bands.items()))}
+            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_max_ms=max(v), e2e_ms=Percentiles(
+                p50=percentile(v, 50), p95=percentile(v, 95), p99=percentile(v, 99))) for k, v in sorted(bands.items()))}
 
 
 class SLOSpec(Measured):
