@@ -54,7 +54,7 @@ class NotNow(Exception):
 class _Sample:
     t: float
     kv: float
-    preemptions: dict[str, int]  # replica -> its engine's count
+    preemptions: dict[str, tuple[float, int]]  # replica -> when it reported, its engine's count
     own_work: int
 
 
@@ -205,7 +205,7 @@ class Calibrator:
             reports = [s for _, s in timed]
             counters.add(timed)
             samples.append(_Sample(now, max((s.engine.kv_usage for s in reports), default=0.0),
-                                   {s.replica: s.engine.preemptions for s in reports}, sum(s.gate.own_work for s in reports)))
+                                   {s.replica: (s.time, s.engine.preemptions) for s in reports}, sum(s.gate.own_work for s in reports)))
             if samples[-1].own_work:
                 self._busy_at = now
                 raise Interrupted
@@ -273,7 +273,7 @@ class Calibrator:
                            **lengths.stats())
 
 
-def _added(readings: list[dict[str, int]]) -> int:
+def _added(readings: list[dict[str, tuple[float, int]]]) -> int:
     counted = PerReplica()
     for counts in readings:
         counted.read(counts)

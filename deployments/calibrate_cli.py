@@ -52,8 +52,8 @@ class EngineSampler:
     def _replicas(self):
         return self._admin.pool(self._pool).replicas
 
-    def _preemptions(self, replicas=None) -> dict[str, int]:
-        return {r.replica: r.engine.preemptions for r in replicas or self._replicas()}
+    def _preemptions(self, replicas=None) -> dict[str, tuple[float, int]]:
+        return {r.replica: (r.reported_at, r.engine.preemptions) for r in replicas or self._replicas()}
 
     def _sample(self) -> None:
         replicas = self._replicas()

@@ -39,15 +39,21 @@ class PerReplica:
     replica from its own first reading in it. Summed over the replicas that reported, a replica
     whose report was stale at the window's start and fresh at its end added its whole history
     (a healthy step read as 400 preemptions), and the other way round took it away; a counter
-    that went back (a restarted replica) counts from zero."""
+    that went back (a restarted replica) counts from zero. Each reading comes with the time its
+    replica made it: one older than the last read (a report that came late) is passed over, or
+    it read as a restart and added the replica's whole history."""
 
     def __init__(self) -> None:
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
+        self._at: dict[str, float] = {}
         self._before: dict[str, int] = {}  # what a replica added before it restarted
 
-    def read(self, counts: dict[str, int]) -> None:
-        for replica, n in counts.items():
+    def read(self, counts: dict[str, tuple[float, int]]) -> None:
+        for replica, (at, n) in counts.items():
+            if at <= self._at.get(replica, float("-inf")):
+                continue
+            self._at[replica] = at
             self.first.setdefault(replica, n)
             previous = self.last.get(replica, n)
             if n < previous:  # restarted: from zero since

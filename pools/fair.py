@@ -73,7 +73,7 @@ class FairClass:
         left = {x: len(q) for x, q in self.queues.items()}
         share = {x: left[x] / q[0].weight for x, q in self.queues.items()}
         while (x := max((x for x in left if x != tenant and left[x] > 1), key=share.__getitem__,
-                        default=None)) is not None and share[x] > share.get(tenant, 0.0):
+                        default=None)) is not None and share[x] > share.get(tenant, 0.0) * (1 + 1e-9):
             left[x] -= 1
             share[x] = left[x] / self.queues[x][0].weight
             yield self.queues[x][left[x]]

@@ -45,6 +45,10 @@ def test_whole_responses_are_held_to_what_the_slo_allows_each_length():
     # that band's own P99 is its slowest (found by the review of the bands)
     one_slow = [(100, 2.0)] * 997 + [(20, 1.0), (20, 1.0), (20, 30.0)]
     assert violations(step(one_slow), slo, RULE) == []
+    # 60% of the TPOT SLO, lengths of 128 to 255: held to a band of an octave's shortest (7.35 s),
+    # the 255-token responses (7.82 s, allowed 13.7) failed the step (found by the same review)
+    within = [(n, 0.2 + 0.03 * (n - 1)) for n in range(128, 256)] * 8
+    assert violations(step(within), slo, RULE) == []
 
 
 def test_a_replica_stale_at_a_steps_start_adds_no_history_to_its_preemptions():
@@ -53,9 +57,13 @@ def test_a_replica_stale_at_a_steps_start_adds_no_history_to_its_preemptions():
     a hard limit), and the other way round hid real ones (found by a review)."""
     from autoscale.selfcal import _added
 
-    assert _added([{"a": 10}, {"a": 10, "b": 400}, {"a": 10, "b": 400}]) == 0
-    assert _added([{"a": 10, "b": 400}, {"a": 40}]) == 30
-    assert _added([{"a": 10}, {"a": 12}, {"a": 3}]) == 5  # restarted: 2 before, 3 since
+    def at(*counts):  # readings one second apart
+        return [{r: (t, n) for r, n in c.items()} for t, c in enumerate(counts)]
+    assert _added(at({"a": 10}, {"a": 10, "b": 400}, {"a": 10, "b": 400})) == 0
+    assert _added(at({"a": 10, "b": 400}, {"a": 40})) == 30
+    assert _added(at({"a": 10}, {"a": 12}, {"a": 3})) == 5  # restarted: 2 before, 3 since
+    # a report that came late is older than the last read: not a restart (it added 400)
+    assert _added([{"a": (1, 400)}, {"a": (3, 402)}, {"a": (2, 401)}, {"a": (4, 403)}]) == 3
 
 
 @pytest.mark.parametrize("field, value", [("kv_watermark", 90.0), ("kv_watermark", 0.0), ("max_error_rate", 1.5),
