@@ -24,7 +24,8 @@ ALLOWED = {
 ADAPTER = "pools/llm.py"
 PURE = ("pools/gate.py", "pools/kv_budget.py", "pools/types.py", "router/quota.py", "router/buckets.py", "router/policy.py",
         "autoscale/policy.py", "autoscale/knee.py", "autoscale/profile.py", "router/files.py", "router/batches.py",
-        "infra/batchfile.py", "autoscale/operators.py", "autoscale/setups.py")
+        "infra/batchfile.py", "autoscale/operators.py", "autoscale/setups.py", "pools/fair.py", "router/costs.py",
+        "router/grammar.py", "router/batch_records.py", "autoscale/ranges.py", "autoscale/controller.py")
 
 
 def modules() -> list[Path]:
