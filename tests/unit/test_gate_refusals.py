@@ -62,3 +62,16 @@ def test_a_tenant_of_more_weight_keeps_more_of_a_full_queue():
     _, ch = offer(gate, "light")  # 3 of light's for its weight 1 against 4 of heavy's for its 10
     assert [(r.ticket.tenant, r.reason) for r in ch.rejected] == [("light", "queue_full")]
     assert all(gate.is_queued(t.id) for t in heavy + light)
+
+
+def test_tenants_queueing_the_same_for_their_weight_keep_their_places():
+    """21 tickets at weight 0.7 are 30 for their weight, as 30 at weight 1 are; in floating point
+    21 / 0.7 is 30.000000000000004, and the first gave one up (found by a review)."""
+    gate, _ = make_gate(seqs=1, max_queued=50)
+    offer(gate, "x")  # holds the only slot
+    for _ in range(21):
+        offer(gate, "light", weight=0.7)
+    for _ in range(29):
+        offer(gate, "heavy")
+    arrival, ch = offer(gate, "heavy")
+    assert [(r.ticket, r.reason) for r in ch.rejected] == [(arrival, "queue_full")]
