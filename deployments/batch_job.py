@@ -20,6 +20,10 @@ offline pool:
   `pool_busy`) is waited out without counting, as it only paces the job (the batch's window
   bounds it), and one the quota can never fit is not retried. Other failures, a line's own
   included, become error lines and the job goes on.
+* The tenant's concurrent slots are shared by all its clients (its other batches, its chat): a
+  job refused a slot keeps no more requests out than it then holds, waits for one of its own to
+  end rather than the Retry-After, probes once per Retry-After when it holds none, and grows
+  back by one per round of answers up to `--concurrency`.
 """
 
 from __future__ import annotations
@@ -105,6 +109,47 @@ class Progress:
                 f"skipped {self.skipped}, retried {self.retried}) {self.tokens / elapsed:.0f} tok/s, ETA {eta}")
 
 
+class Share:
+    """How many of the job's lines may be out at once. Retrying each refused worker after the
+    Retry-After kept every worker above the tenant's slots coming back each second for as long
+    as the job ran: load on the router and the quota ledger that bought nothing."""
+
+    def __init__(self, most: int) -> None:
+        self.most = self.limit = most
+        self.out = 0  # lines taken and not ended, the refused one included
+        self._grown = 0.0
+        self._turn = asyncio.Condition()
+
+    async def take(self) -> None:
+        async with self._turn:
+            await self._turn.wait_for(lambda: self.out < self.limit)
+            self.out += 1
+
+    async def give(self) -> None:
+        async with self._turn:
+            self.out -= 1
+            self._turn.notify_all()
+
+    def answered(self) -> None:
+        """A line answered: one more may be out after as many answers as are out (additive)."""
+        if self.limit < self.most:
+            self._grown += 1 / self.limit
+            if self._grown >= 1:
+                self._grown, self.limit = 0.0, self.limit + 1
+
+    async def refused(self) -> bool:
+        """A slot refused: the tenant's are all held, at most `out - 1` of them by this job. True
+        once another line's end gave the refused one its turn; False when this job holds none,
+        so the one line left out waits the Retry-After."""
+        held = self.out - 1
+        self.limit, self._grown = max(1, held), 0.0
+        if held < 1:
+            return False
+        await self.give()
+        await self.take()
+        return True
+
+
 class OutputBusy(Exception):
     """Another job holds the output file."""
 
@@ -163,7 +208,7 @@ def request_id(custom_id: str, limit: int = 256) -> str:
 
 
 async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryPolicy, rng: random.Random,
-                  progress: Progress, sleep: Callable = asyncio.sleep) -> str:
+                  progress: Progress, sleep: Callable = asyncio.sleep, share: Share | None = None) -> str:
     import httpx
 
     url = f"{base}/{req.endpoint}"
@@ -188,12 +233,17 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 if status == 200:
                     usage = body.get("usage") if isinstance(body, dict) else None
                     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+                    if share is not None:
+                        share.answered()
                     progress.done += 1
                     progress.tokens += tokens if isinstance(tokens, int) else 0
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
         pacing = status == 429 and code is not None and code.endswith(PACING)
+        if code == "concurrency_quota_exceeded" and share is not None and await share.refused():
+            progress.retried += 1
+            continue
         if not pacing:
             attempt += 1
             if attempt >= policy.max_attempts:
@@ -220,22 +270,28 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
     progress = Progress(total=len(requests), skipped=len(requests) - len(todo))
     print(f"batch: {len(requests)} requests, {progress.skipped} already in {output}, {len(todo)} to send "
           f"to {base} with concurrency {concurrency}", flush=True)
-    rng = random.Random(seed)
+    rng, share = random.Random(seed), Share(concurrency)
     queue: asyncio.Queue[BatchRequest] = asyncio.Queue()
     for r in todo:
         queue.put_nowait(r)
 
     async def worker(client):
         while not queue.empty():
-            req = queue.get_nowait()
+            await share.take()
             try:
-                line = await run_one(client, base, key, req, policy, rng, progress)
-            except Exception as e:  # this line's, not the job's: it is answered with the error, the others go on
-                traceback.print_exc()  # in the job's logs
-                progress.failed += 1
-                line = result_line(req.custom_id, None, None, None,
-                                   {"code": "request_failed", "message": f"{type(e).__name__}: {e}"})
-            writer.write(line)
+                if queue.empty():  # taken by another worker while this one waited its turn
+                    return
+                req = queue.get_nowait()
+                try:
+                    line = await run_one(client, base, key, req, policy, rng, progress, share=share)
+                except Exception as e:  # this line's, not the job's: it is answered with the error, the others go on
+                    traceback.print_exc()  # in the job's logs
+                    progress.failed += 1
+                    line = result_line(req.custom_id, None, None, None,
+                                       {"code": "request_failed", "message": f"{type(e).__name__}: {e}"})
+                writer.write(line)
+            finally:
+                await share.give()
 
     async def report():
         while True:
