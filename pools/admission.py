@@ -37,7 +37,7 @@ class AsyncGate:
 
     def release(self, ticket: Ticket, used_tokens: int | None = None, cancelled: bool = False) -> None:
         """Free a slot; `cancelled` when the request did not finish (client gone, error)."""
-        changes = self.gate.cancel(ticket.id) if cancelled else self.gate.release(ticket.id, used_tokens)
+        changes = self.gate.cancel(ticket.id, used_tokens) if cancelled else self.gate.release(ticket.id, used_tokens)
         self._apply(changes)
 
     def set_limits(self, limits: BatchLimits, allowed: SafeRange | None = None) -> None:

@@ -163,8 +163,9 @@ class AdmissionGate:
             changes.rejected += self._make_room(t)
         return changes
 
-    def release(self, ticket_id: int, used_tokens: int | None = None) -> Changes:
-        """Free an admitted ticket's slot (completion, error or disconnect)."""
+    def release(self, ticket_id: int, used_tokens: int | None = None, ended: str = "completed") -> Changes:
+        """Free an admitted ticket's slot (completion, error or disconnect); `used_tokens` settles
+        its tenant's counter, which keeps the ticket's whole cost when they are not known."""
         t = self._active.pop(ticket_id, None)
         if t is None:
             return Changes()
@@ -175,7 +176,7 @@ class AdmissionGate:
             self._borrowed_requests -= 1
             self._borrowed_seqs -= t.seqs
             self._borrowed_tokens -= t.cost
-        self._counts["completed"] += 1
+        self._counts[ended] += 1
         if used_tokens is not None:
             self._classes[t.priority].counters[t.tenant] += (used_tokens - t.cost) / t.weight
         return self.poll()
@@ -189,8 +190,7 @@ class AdmissionGate:
             self._counts["cancelled"] += 1
             return self.poll()
         if ticket_id in self._active:
-            self._counts["cancelled"] += 1
-            return self.release(ticket_id, used_tokens)
+            return self.release(ticket_id, used_tokens, ended="cancelled")
         return Changes()
 
     def poll(self) -> Changes:

@@ -144,6 +144,8 @@ class GateModel:
         assert (s.admitted, s.rejected, s.evicted) == (self.admissions, self.reasons["queue_full"],
                                                       self.reasons["evicted"])
         assert s.own_refused == self.reasons["own_refused"]  # the autoscaler's signal: no borrowed refusal in it
+        ended = collections.Counter(self.state.values())  # an admitted ticket cancelled was counted completed too
+        assert (s.completed, s.cancelled) == (ended["released"], ended["cancelled"]), s
         lim = g.limits
         alone = len(act) == 1
         if any(t.priority != P.BORROWED for t in changes.admitted) and not alone:
@@ -267,3 +269,20 @@ def test_a_ticket_admitted_after_its_caller_left_costs_its_tenant_nothing():
         s = gate.gate.stats()
         assert (s.active, s.cancelled) == (0, 1), s
         assert gate.gate._classes[P.STANDARD].counters["b"] == before, leave_after_admission
+
+
+def test_a_request_that_ended_early_with_its_usage_known_is_charged_what_it_used():
+    """A request whose usage had come when its client left (a whole response's usage comes before
+    the response is handed on) kept its whole estimated cost on its tenant's fair-share counter:
+    the usage was dropped for a cancel. One that leaves before its usage keeps the whole cost,
+    which never charges a tenant less than it used."""
+    gate = AsyncGate(AdmissionGate(RANGE.limits_for(1), RANGE, CEILINGS, QueuePolicy(8, 10**6), Clock()))
+
+    async def go() -> Ticket:
+        return await gate.offer("a", 1.0, P.STANDARD, 1_000).wait()
+
+    before = gate.gate._classes[P.STANDARD].counters["a"]
+    gate.release(asyncio.run(go()), used_tokens=40, cancelled=True)
+    s = gate.gate.stats()
+    assert gate.gate._classes[P.STANDARD].counters["a"] == before + 40
+    assert (s.cancelled, s.completed) == (1, 0), s
