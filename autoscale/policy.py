@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
-from infra.stats import percentile
+from infra.stats import Cumulative, percentile
 from pools.control import PoolSnapshot, ReplicaStats
 from pools.types import SafeRange, deep_queue
 
@@ -143,26 +143,28 @@ class PolicyConfig:
 
 @dataclass
 class Events:
-    """A pool's rejections and preemptions, counted as each replica's cumulative counters move.
-    A replica's first report is its baseline: summed over the fresh reports instead, a replica
-    back from a silence (or reporting late after a restart of the controller) added its whole
-    history at once, and the pool stepped down for preemptions minutes old."""
+    """A pool's rejections and preemptions, counted as each replica's cumulative counters move
+    (`Cumulative`: a replica back from a silence, or heard first by a controller that restarted,
+    added its whole history at once, and the pool stepped down for preemptions minutes old)."""
 
-    last: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica -> (own refused, preemptions)
-    refused: int = 0
-    preempted: int = 0
+    refusals: Cumulative = field(default_factory=Cumulative)
+    preemptions: Cumulative = field(default_factory=Cumulative)
+
+    @property
+    def refused(self) -> int:
+        return self.refusals.total
+
+    @property
+    def preempted(self) -> int:
+        return self.preemptions.total
 
     def note(self, stats: ReplicaStats) -> None:
-        now = (stats.gate.own_refused, stats.engine.preemptions)
-        if (before := self.last.get(stats.replica)) is not None:
-            self.refused += max(0, now[0] - before[0])
-            self.preempted += max(0, now[1] - before[1])
-        self.last[stats.replica] = now
+        self.refusals.read(stats.replica, stats.time, stats.gate.own_refused)
+        self.preemptions.read(stats.replica, stats.time, stats.engine.preemptions)
 
     def forget(self, replicas: Sequence[str]) -> None:
-        """Replicas long gone: one that reports again starts from a new baseline."""
-        for r in replicas:
-            self.last.pop(r, None)
+        self.refusals.forget(replicas)
+        self.preemptions.forget(replicas)
 
 
 def aggregate(reports: Sequence[ReplicaStats], events: Events | None = None) -> PoolSnapshot:

@@ -30,7 +30,7 @@ from autoscale.controller import Controller
 from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, response_lengths
 from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
-from infra.stats import PerReplica, counter_rate, percentile
+from infra.stats import Cumulative, counter_rate, percentile
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
 from pools.control import ReplicaStats
 from pools.llm import request_models
@@ -274,10 +274,10 @@ class Calibrator:
 
 
 def _added(readings: list[dict[str, tuple[float, int]]]) -> int:
-    counted = PerReplica()
+    counted = Cumulative()
     for counts in readings:
-        counted.read(counts)
-    return counted.added()
+        counted.read_all(counts)
+    return counted.total
 
 
 def _pcts(xs: list[float]) -> Percentiles:

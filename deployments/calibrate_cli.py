@@ -28,7 +28,7 @@ from autoscale.profile import (Fingerprint, KneeRule, LadderRow, Percentiles, SL
 from deployments.admin_client import AdminClient
 from infra.loadgen import Target, closed_loop_until_steady
 from infra.results import Result, Summary
-from infra.stats import PerReplica, counter_rate
+from infra.stats import Cumulative, counter_rate
 from infra.wire import http_url
 from infra.traffic import synthetic_lengths, trace_lengths
 
@@ -45,8 +45,8 @@ class EngineSampler:
         self._admin, self._pool, self.lag_s, self._every = admin, pool, lag_s, every_s
         self.kv_max, self._stop = 0.0, threading.Event()
         self.tokens: dict[str, list[tuple[float, int]]] = {}  # replica -> (time.monotonic(), generated tokens)
-        self._preempted = PerReplica()
-        self._preempted.read(self._preemptions())
+        self._preempted = Cumulative()
+        self._preempted.read_all(self._preemptions())
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _replicas(self):
@@ -64,7 +64,7 @@ class EngineSampler:
             if not series or at > series[-1][0]:
                 series.append((at, r.engine.generated_tokens))
         self.kv_max = max([self.kv_max] + [r.engine.kv_usage for r in replicas])
-        self._preempted.read(self._preemptions(replicas))
+        self._preempted.read_all(self._preemptions(replicas))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -96,8 +96,8 @@ class EngineSampler:
         self._stop.set()
         self._thread.join()
         try:
-            self._preempted.read(self._preemptions())
-            self.preemptions = self._preempted.added()
+            self._preempted.read_all(self._preemptions())
+            self.preemptions = self._preempted.total
         except Exception as e:  # noqa: BLE001 - the step's figures stand without it
             print(f"  (preemptions unknown: {type(e).__name__}: {e})", file=sys.stderr)
             self.preemptions = 0

@@ -34,33 +34,31 @@ def counter_rate(samples: Sequence[tuple[float, float]], a: float, b: float) -> 
     return None if x is None or y is None or y < x or b <= a else (y - x) / (b - a)
 
 
-class PerReplica:
-    """What replicas' cumulative counters (an engine's preemptions) added over a window, each
-    replica from its own first reading in it. Summed over the replicas that reported, a replica
-    whose report was stale at the window's start and fresh at its end added its whole history
-    (a healthy step read as 400 preemptions), and the other way round took it away; a counter
-    that went back (a restarted replica) counts from zero. Each reading comes with the time its
-    replica made it: one older than the last read (a report that came late) is passed over, or
-    it read as a restart and added the replica's whole history."""
+class Cumulative:
+    """What several sources' cumulative counters (replicas' preemptions or refusals) added, each
+    from its own first reading. Summed over the sources that reported, one whose report was stale
+    at the start and fresh at the end added its whole history (a healthy step read as 400
+    preemptions), and the other way round took it away. A count that went back (a restarted
+    replica) counts from zero. A reading older than the source's last (a report that came late)
+    is passed over: read, it looked like a restart, and the next reading counted again from it."""
 
     def __init__(self) -> None:
-        self.first: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-        self._at: dict[str, float] = {}
-        self._before: dict[str, int] = {}  # what a replica added before it restarted
+        self.total = 0
+        self.last: dict[str, tuple[float, int]] = {}  # source -> (when its reading was made, count)
 
-    def read(self, counts: dict[str, tuple[float, int]]) -> None:
-        for replica, (at, n) in counts.items():
-            if at <= self._at.get(replica, float("-inf")):
-                continue
-            self._at[replica] = at
-            self.first.setdefault(replica, n)
-            previous = self.last.get(replica, n)
-            if n < previous:  # restarted: from zero since
-                self._before[replica] = self._before.get(replica, 0) + previous - self.first[replica]
-                self.first[replica] = 0
-            self.last[replica] = n
+    def read(self, source: str, at: float, n: int) -> None:
+        before = self.last.get(source)
+        if before is not None:
+            if at < before[0]:
+                return
+            self.total += n - before[1] if n >= before[1] else n
+        self.last[source] = (at, n)
 
-    def added(self) -> int:
-        return sum(n - self.first[r] + self._before.get(r, 0) for r, n in self.last.items())
+    def read_all(self, counts: dict[str, tuple[float, int]]) -> None:
+        for source, (at, n) in counts.items():
+            self.read(source, at, n)
 
+    def forget(self, sources: Sequence[str]) -> None:
+        """Sources long gone: one that reports again starts from a new first reading."""
+        for source in sources:
+            self.last.pop(source, None)
