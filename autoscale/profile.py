@@ -25,21 +25,16 @@ class Measured(Frozen):
     """Numbers a sweep measured or a rule is judged by, finite: NaN compares false with every
     bound, so a row with NaN for its P99 passed any SLO and watermark, as an SLO of inf would."""
 
-    @field_validator("*", mode="before")  # before a bound's check, which NaN fails with a message of its own
+    # before a bound's check, which NaN fails with a message of its own; any value that reads as
+    # a number (a string, a Decimal, bytes, a numpy float)
+    @field_validator("*", mode="before")
     @classmethod
-    def _not_nan_as_given(cls, value):
+    def _finite(cls, value):
         try:
-            number = float(value) if isinstance(value, (str, float)) else None
-        except ValueError:
-            number = None
-        if number is not None:
-            cls._not_nan(number)
-        return value
-
-    @field_validator("*")  # and as read (a Decimal, bytes or a numpy float NaN)
-    @classmethod
-    def _not_nan(cls, value):
-        if isinstance(value, float) and not math.isfinite(value):
+            number = float(value)
+        except (TypeError, ValueError):
+            return value
+        if not math.isfinite(number):
             raise ValueError(f"{value} is not a number a range can be judged by: measure the pool again "
                              "(poolserve calibrate) or give the value")
         return value
@@ -49,6 +44,13 @@ class Percentiles(Measured):
     p50: float
     p95: float
     p99: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Percentiles":
+        """Of `values` (0 where there are none: a step where nothing finished)."""
+        if not values:
+            return cls(p50=0.0, p95=0.0, p99=0.0)
+        return cls(p50=percentile(values, 50), p95=percentile(values, 95), p99=percentile(values, 99))
 
 
 class LengthStats(Frozen):
@@ -155,8 +157,8 @@ def response_lengths(done: list[tuple[int, float]]) -> dict:
     for tokens, e2e in done:
         bands.setdefault(_band(tokens), []).append(e2e * 1e3)
     return {"output_tokens_mean": sum(t for t, _ in done) / len(done),
-            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_max_ms=max(v), e2e_ms=Percentiles(
-                p50=percentile(v, 50), p95=percentile(v, 95), p99=percentile(v, 99))) for k, v in sorted(bands.items()))}
+            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_max_ms=max(v), e2e_ms=Percentiles.of(v))
+                             for k, v in sorted(bands.items()))}
 
 
 class SLOSpec(Measured):

@@ -30,7 +30,7 @@ from autoscale.controller import Controller
 from autoscale.profile import KneeRule, LadderRow, Percentiles, SLOSpec, TrafficSpec, response_lengths
 from autoscale.ranges import RESWEEP_AFTER_S
 from infra.results import Result
-from infra.stats import Cumulative, counter_rate, percentile
+from infra.stats import Cumulative, counter_rate
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
 from pools.control import ReplicaStats
 from pools.llm import request_models
@@ -280,10 +280,8 @@ def _added(readings: list[dict[str, tuple[float, int]]]) -> int:
     return counted.total
 
 
-def _pcts(xs: list[float]) -> Percentiles:
-    if not xs:
-        return Percentiles(p50=0.0, p95=0.0, p99=0.0)
-    return Percentiles(p50=percentile(xs, 50) * 1e3, p95=percentile(xs, 95) * 1e3, p99=percentile(xs, 99) * 1e3)
+def _pcts(seconds: list[float]) -> Percentiles:
+    return Percentiles.of([x * 1e3 for x in seconds])
 
 
 def _row(seqs: int, results: list[Result], samples: list[_Sample], counters: _Counters,
