@@ -138,8 +138,8 @@ class BatchApi:
             raise _too_large(self._s.max_file_bytes)
         return upload.filename or "upload.jsonl", purpose, content, expires_after_s
 
-    def _room_for(self, tenant: str, size: int, param: str = "file") -> None:
-        """Whether the volume holds one more file of `size` bytes for `tenant` within its share.
+    def _room_for(self, tenant: str, size: int, param: str = "file", what: str = "this one") -> None:
+        """Whether the volume holds one more file of `size` bytes (`what`) for `tenant` within its share.
         Uploads arriving at once may each pass it: `max_uploads_per_tenant` files over per replica."""
         files, stored = self._files.usage(tenant)
         fix = "delete files it no longer needs (DELETE /v1/files/{file_id})"
@@ -147,8 +147,7 @@ class BatchApi:
             raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {files:,} files, the most "
                                                        f"batches.max_files_per_tenant allows: {fix}", param)
         if stored + size > self._s.max_stored_bytes_per_tenant:
-            more = "this one" if param == "file" else "a batch's output"
-            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and {more} "
+            raise ApiError(413, "tenant_storage_full", f"tenant {tenant!r} keeps {stored:,} bytes of files and {what} "
                                                        f"would take it past batches.max_stored_bytes_per_tenant "
                                                        f"({self._s.max_stored_bytes_per_tenant:,}): {fix}", param)
 
@@ -207,7 +206,7 @@ class BatchApi:
                 if field not in body:
                     raise ApiError(400, "missing_field", f"{field!r} is required", field)
             # its output and error files are the tenant's too: a full share takes no more batches
-            await asyncio.to_thread(self._room_for, tenant.name, 1, "input_file_id")
+            await asyncio.to_thread(self._room_for, tenant.name, 1, "input_file_id", "a batch's output")
             return await self._call("create", tenant.name, bearer(request.headers), body["input_file_id"],
                                     body["endpoint"], body["completion_window"], body.get("metadata"),
                                     body.get("output_expires_after"))

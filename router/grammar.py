@@ -154,10 +154,8 @@ def shape(pattern: str, counted: bool = True) -> Shape:
             i += 2
         elif c == "[":
             negated = pattern[i + 1:i + 2] == "^"
-            start = i = i + 1 + negated
-            if pattern[i:i + 1] != "]":  # `[]` and `[^]` end there; other classes at the next `]`
-                while i < len(pattern) and pattern[i] != "]":
-                    i += 2 if pattern[i] == "\\" else 1
+            start = i + 1 + negated
+            i = _closing(pattern, start, "]")  # `[]` and `[^]` end there
             weight = WIDE if negated or _wide_class(pattern[start:i]) else 1
             i += 1
         elif c == "(":
@@ -192,6 +190,13 @@ def shape(pattern: str, counted: bool = True) -> Shape:
             squares += quantity[1] ** 2
             i = quantity[2]  # a `?` after it (lazy to xgrammar) is read as one more place: never fewer
     return Shape(sum(f[0] + f[1] * f[2] for f in frames), squares, deepest)
+
+
+def _closing(text: str, i: int, end: str) -> int:
+    """Where the first `end` from `i` is that no backslash escapes (past the text if none)."""
+    while i < len(text) and text[i] != end:
+        i += 2 if text[i] == "\\" else 1
+    return i
 
 
 def _wide_class(inside: str) -> bool:
@@ -237,18 +242,14 @@ def _ebnf_atoms(grammar: str) -> str:
     while i < n:
         c = grammar[i]
         if c in "\"'":
-            start, i = i + 1, i + 1
-            while i < n and grammar[i] != c:
-                i += 2 if grammar[i] == "\\" else 1
+            start, i = i + 1, _closing(grammar, i + 1, c)
             out.append("a" if i > start else "")
             i += 1
         elif c == "#" or grammar.startswith("//", i):
             while i < n and grammar[i] not in "\r\n":
                 i += 1
         elif c == "[":
-            start, i = i, i + 1 + (grammar[i + 1:i + 2] == "^")
-            while i < n and grammar[i] != "]":
-                i += 2 if grammar[i] == "\\" else 1
+            start, i = i, _closing(grammar, i + 1 + (grammar[i + 1:i + 2] == "^"), "]")
             out.append(grammar[start:i + 1])
             i += 1
         elif c.isspace():
