@@ -157,8 +157,8 @@ def response_lengths(done: list[tuple[int, float]]) -> dict:
     for tokens, e2e in done:
         bands.setdefault(_band(tokens), []).append(e2e * 1e3)
     return {"output_tokens_mean": sum(t for t, _ in done) / len(done),
-            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_max_ms=max(v), e2e_ms=Percentiles.of(v))
-                             for k, v in sorted(bands.items()))}
+            "e2e_by_length": tuple(LengthBand(min_tokens=k, responses=len(v), e2e_max_ms=max(v),
+                                              e2e_ms=Percentiles.of(v)) for k, v in sorted(bands.items()))}
 
 
 class SLOSpec(Measured):
