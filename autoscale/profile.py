@@ -32,7 +32,7 @@ class Measured(Frozen):
     def _finite(cls, value):
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # not a number, or an int too large for a float
             return value
         if not math.isfinite(number):
             raise ValueError(f"{value} is not a number a range can be judged by: measure the pool again "

@@ -151,3 +151,10 @@ def test_a_number_that_is_not_one_is_refused_in_any_form(value):
     value = {"decimal-nan": Decimal("NaN"), "decimal-inf": Decimal("Infinity")}.get(value, value)
     with pytest.raises(ValidationError, match="is not a number a range can be judged by"):
         SLOSpec(ttft_p99_ms=value, tpot_p99_ms=50)
+
+
+def test_an_int_too_large_for_a_float_is_a_validation_error_not_a_crash():
+    """The finite check reads any value as a float: an int past a float's range raised OverflowError."""
+    with pytest.raises(ValidationError, match="ttft_p99_ms"):
+        SLOSpec(ttft_p99_ms=10**400, tpot_p99_ms=50)
+    assert KneeRule(headroom_steps=10**400).headroom_steps == 10**400  # an int field keeps its int
