@@ -39,8 +39,9 @@ class Cumulative:
     from its own first reading. Summed over the sources that reported, one whose report was stale
     at the start and fresh at the end added its whole history (a healthy step read as 400
     preemptions), and the other way round took it away. A count that went back (a restarted
-    replica) counts from zero. A reading older than the source's last (a report that came late)
-    is passed over: read, it looked like a restart, and the next reading counted again from it."""
+    replica) counts from zero, unless its reading is no newer than the last: that is a report
+    that came late, passed over (read, it looked like a restart, and the next reading counted
+    again from it). Times order only those: a clock stepped back holds no count back."""
 
     def __init__(self) -> None:
         self.total = 0
@@ -49,7 +50,7 @@ class Cumulative:
     def read(self, source: str, at: float, n: int) -> None:
         before = self.last.get(source)
         if before is not None:
-            if at < before[0]:
+            if n < before[1] and at <= before[0]:
                 return
             self.total += n - before[1] if n >= before[1] else n
         self.last[source] = (at, n)

@@ -133,3 +133,6 @@ def test_a_report_that_came_late_and_a_restart_count_what_happened():
     for at, n in [(1.0, 10), (2.0, 15), (1.5, 12), (3.0, 16), (4.0, 2)]:  # 16 -> 2: restarted, 2 since
         events.note(dataclasses.replace(counted("r1", preemptions=n, refused=n), time=at))
     assert (events.preempted, events.refused) == (8, 8)
+    for at, n in [(100.0, 10), (40.0, 12), (50.0, 20)]:  # a replica's clock stepped back: its counts still count
+        events.note(dataclasses.replace(counted("r2", preemptions=n), time=at))
+    assert events.preempted == 8 + 10
