@@ -35,7 +35,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 from pools.fair import Admissions, FairClass, Ticket
 from pools.types import BatchLimits, GateStats, PriorityClass, SafeRange
@@ -163,7 +163,8 @@ class AdmissionGate:
             changes.rejected += self._make_room(t)
         return changes
 
-    def release(self, ticket_id: int, used_tokens: int | None = None, ended: str = "completed") -> Changes:
+    def release(self, ticket_id: int, used_tokens: int | None = None,
+                ended: Literal["completed", "cancelled"] = "completed") -> Changes:
         """Free an admitted ticket's slot (completion, error or disconnect); `used_tokens` settles
         its tenant's counter, which keeps the ticket's whole cost when they are not known."""
         t = self._active.pop(ticket_id, None)
