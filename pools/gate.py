@@ -41,6 +41,7 @@ from pools.fair import Admissions, FairClass, Ticket
 from pools.types import BatchLimits, GateStats, PriorityClass, SafeRange
 
 COUNTS = ("admitted", "rejected", "cancelled", "evicted", "completed", "own_refused")  # GateStats' counters
+Ended = Literal["completed", "cancelled"]  # how an admitted ticket ends, as its counts tell
 
 
 def _refused(kind: str, tickets: list[Ticket]) -> collections.Counter[str]:
@@ -163,8 +164,7 @@ class AdmissionGate:
             changes.rejected += self._make_room(t)
         return changes
 
-    def release(self, ticket_id: int, used_tokens: int | None = None,
-                ended: Literal["completed", "cancelled"] = "completed") -> Changes:
+    def release(self, ticket_id: int, used_tokens: int | None = None, ended: Ended = "completed") -> Changes:
         """Free an admitted ticket's slot (completion, error or disconnect); `used_tokens` settles
         its tenant's counter, which keeps the ticket's whole cost when they are not known."""
         t = self._active.pop(ticket_id, None)
