@@ -21,9 +21,11 @@ offline pool:
   bounds it), and one the quota can never fit is not retried. Other failures, a line's own
   included, become error lines and the job goes on.
 * The tenant's concurrent slots are shared by all its clients (its other batches, its chat): a
-  job refused a slot keeps no more requests out than it then holds, waits for one of its own to
-  end rather than the Retry-After, probes once per Retry-After when it holds none, and grows
-  back by one per round of answers up to `--concurrency`.
+  job refused a slot keeps no more lines out than its others then out, waits for one of them to
+  end rather than the Retry-After, probes once per Retry-After when it has none out, and lets
+  one more out each time as many as it lets out are answered, up to `--concurrency`. Its wait
+  counts as pacing, and a job answered nothing for as long as a line may be paced paces no line
+  further.
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ class Share:
     Retry-After kept every worker above the tenant's slots coming back each second for as long
     as the job ran: load on the router and the quota ledger that bought nothing."""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, now: float) -> None:
         self.most = self.limit = most
-        self.out = 0  # lines taken and not ended, the refused one included
-        self._grown = 0.0
+        self.out = 0  # lines being sent or waiting to be sent again; not those waiting for their turn
+        self._answers = 0  # since the limit last moved
         self._turn = asyncio.Condition()
+        # when a line was last answered (or the job began): with none for `max_paced_s`, a line
+        # is paced out at its first refusal. Each line's own pacing alone let lines cut back to
+        # one at a time each pace it in turn: 83 s for 8 lines paced 10 s, for ever for a batch
+        self.answered_at = now
 
     async def take(self) -> None:
         async with self._turn:
@@ -130,23 +136,30 @@ class Share:
             self.out -= 1
             self._turn.notify_all()
 
-    def answered(self) -> None:
-        """A line answered: one more may be out after as many answers as are out (additive)."""
+    def answered(self, now: float) -> None:
+        """A line answered, not refused a slot: one more may be out once as many lines as may be
+        out now were answered (additive increase)."""
+        self.answered_at = now
         if self.limit < self.most:
-            self._grown += 1 / self.limit
-            if self._grown >= 1:
-                self._grown, self.limit = 0.0, self.limit + 1
+            self._answers += 1
+            if self._answers >= self.limit:
+                self._answers, self.limit = 0, self.limit + 1
 
     async def refused(self) -> bool:
         """A slot refused: the tenant's are all held, at most `out - 1` of them by this job. True
         once another line's end gave the refused one its turn; False when this job holds none,
         so the one line left out waits the Retry-After."""
         held = self.out - 1
-        self.limit, self._grown = max(1, held), 0.0
+        self.limit, self._answers = max(1, held), 0
         if held < 1:
             return False
-        await self.give()
-        await self.take()
+        async with self._turn:
+            self.out -= 1
+            self._turn.notify_all()
+            try:
+                await self._turn.wait_for(lambda: self.out < self.limit)
+            finally:  # its turn; or, cancelled, its worker gives it back
+                self.out += 1
         return True
 
 
@@ -230,25 +243,29 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 body = {"error": {"message": r.text[:500], "type": "server_error"}}
             code = error_code(body)
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
+                if share is not None:
+                    share.answered(asyncio.get_running_loop().time())
                 if status == 200:
                     usage = body.get("usage") if isinstance(body, dict) else None
                     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
-                    if share is not None:
-                        share.answered()
                     progress.done += 1
                     progress.tokens += tokens if isinstance(tokens, int) else 0
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
         pacing = status == 429 and code is not None and code.endswith(PACING)
-        if code == "concurrency_quota_exceeded" and share is not None and await share.refused():
-            progress.retried += 1
-            continue
+        if code == "concurrency_quota_exceeded" and share is not None and paced < policy.max_paced_s:
+            started = asyncio.get_running_loop().time()
+            if await share.refused():  # waiting its turn is pacing too: `max_paced_s` bounds it
+                paced += asyncio.get_running_loop().time() - started
+                progress.retried += 1
+                continue
         if not pacing:
             attempt += 1
             if attempt >= policy.max_attempts:
                 break
-        elif paced >= policy.max_paced_s:
+        elif paced >= policy.max_paced_s or (
+                share is not None and asyncio.get_running_loop().time() - share.answered_at >= policy.max_paced_s):
             break
         delay = policy.delay(max(1, attempt), wait, rng)
         paced += delay if pacing else 0.0
@@ -270,7 +287,7 @@ async def run(requests: list[BatchRequest], output: Path, base: str, key: str, c
     progress = Progress(total=len(requests), skipped=len(requests) - len(todo))
     print(f"batch: {len(requests)} requests, {progress.skipped} already in {output}, {len(todo)} to send "
           f"to {base} with concurrency {concurrency}", flush=True)
-    rng, share = random.Random(seed), Share(concurrency)
+    rng, share = random.Random(seed), Share(concurrency, asyncio.get_running_loop().time())
     queue: asyncio.Queue[BatchRequest] = asyncio.Queue()
     for r in todo:
         queue.put_nowait(r)
