@@ -1,4 +1,5 @@
-"""Write docs/configuration.md from the config models themselves (a test keeps it in step).
+"""Write docs/configuration.md from the config models themselves, and docs/metrics.md
+(`metrics_doc`), from the exported series (a test keeps each in step).
 
     python -m deployments.config_doc
 """
@@ -87,8 +88,11 @@ def render() -> str:
 
 
 def main() -> int:
-    DOC.write_text(render())
-    print(f"wrote {DOC}")
+    from deployments import metrics_doc
+
+    for path, text in ((DOC, render()), (metrics_doc.DOC, metrics_doc.render())):
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -8,50 +8,101 @@ Each process creates only the group it needs, lazily, so importing this is free.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: infra imports no poolserve package
     from pools.types import EngineStats, GateStats, PriorityClass, SafeRange
 
-LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120]
-TPOT_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
-NAMES = {
-    "queue_depth": "poolserve_queue_depth",
-    "queued_tokens": "poolserve_queued_tokens",
-    "active_seqs": "poolserve_active_seqs",
-    "inflight_tokens": "poolserve_inflight_tokens",
-    "limit_seqs": "poolserve_limit_max_active_seqs",
-    "limit_tokens": "poolserve_limit_max_inflight_tokens",
-    "range_low": "poolserve_safe_range_low",
-    "range_high": "poolserve_safe_range_high",
-    "profile_stale": "poolserve_profile_stale",
-    "kv_usage": "poolserve_kv_usage",
-    "engine_running": "poolserve_engine_running",
-    "engine_waiting": "poolserve_engine_waiting",
-    "ttft": "poolserve_ttft_seconds",
-    "tpot": "poolserve_tpot_seconds",
-    "queue_wait": "poolserve_queue_wait_seconds",
-    "admitted": "poolserve_admitted_total",
-    "rejected": "poolserve_rejected_total",
-    "cancelled": "poolserve_cancelled_total",
-    "router_requests": "poolserve_router_requests_total",
-    "borrowed": "poolserve_borrowed_total",
-    "quota_rejections": "poolserve_quota_rejections_total",
-    "shed": "poolserve_shed_total",
-    "tenant_tokens": "poolserve_tenant_tokens_total",
-    "quota_remaining_tokens": "poolserve_quota_remaining_tokens",
-    "quota_remaining_requests": "poolserve_quota_remaining_requests",
-    "decisions": "poolserve_autoscale_decisions_total",
-    "target_seqs": "poolserve_autoscale_target_seqs",
+@dataclass(frozen=True)
+class Series:
+    """One exported series, declared once for the process that sets it and for docs/metrics.md."""
+
+    name: str  # as poolserve names it; Prometheus sees it with Ray's `ray_` in front
+    kind: str  # gauge, counter or histogram
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+_REPLICA, _REQUEST = ("pool", "replica"), ("pool", "tenant", "priority")
+
+# Per pool replica (`PoolMetrics`), per router replica (`RouterMetrics`), and the controller's.
+SERIES = {
+    "queue_depth": Series("poolserve_queue_depth", "gauge", _REPLICA + ("priority",), "Requests waiting at the gate"),
+    "queued_tokens": Series("poolserve_queued_tokens", "gauge", _REPLICA,
+                            "Tokens waiting at the gate (prompt + max_tokens)"),
+    "active_seqs": Series("poolserve_active_seqs", "gauge", _REPLICA,
+                         "Sequences holding a slot (a request of n choices holds n)"),
+    "inflight_tokens": Series("poolserve_inflight_tokens", "gauge", _REPLICA, "Tokens of the requests holding a slot"),
+    "limit_seqs": Series("poolserve_limit_max_active_seqs", "gauge", _REPLICA, "Runtime limit on active sequences"),
+    "limit_tokens": Series("poolserve_limit_max_inflight_tokens", "gauge", _REPLICA,
+                           "Runtime limit on in-flight tokens"),
+    "range_low": Series("poolserve_safe_range_low", "gauge", _REPLICA, "Bottom of the safe range"),
+    "range_high": Series("poolserve_safe_range_high", "gauge", _REPLICA, "Top of the safe range"),
+    "kv_usage": Series("poolserve_kv_usage", "gauge", _REPLICA, "vLLM KV cache usage (0-1)"),
+    "engine_running": Series("poolserve_engine_running", "gauge", _REPLICA, "vLLM running requests"),
+    "engine_waiting": Series("poolserve_engine_waiting", "gauge", _REPLICA, "vLLM waiting requests"),
+    "ttft": Series("poolserve_ttft_seconds", "histogram", _REQUEST, "Arrival at the replica to first token",
+                   LATENCY_BUCKETS_S),
+    "tpot": Series("poolserve_tpot_seconds", "histogram", _REQUEST, "Time per output token after the first",
+                   TPOT_BUCKETS_S),
+    "queue_wait": Series("poolserve_queue_wait_seconds", "histogram", _REQUEST, "Time waiting at the gate",
+                         LATENCY_BUCKETS_S),
+    "admitted": Series("poolserve_admitted_total", "counter", _REQUEST, "Requests admitted by the gate"),
+    "rejected": Series("poolserve_rejected_total", "counter", _REQUEST + ("reason",),
+                       "Requests the gate refused (reason: queue_full, evicted, lender_busy)"),
+    "cancelled": Series("poolserve_cancelled_total", "counter", _REQUEST,
+                        "Admitted requests that did not finish (client gone, engine error)"),
+    "router_requests": Series("poolserve_router_requests_total", "counter", ("pool", "tenant", "status"),
+                              "Requests by final HTTP status"),
+    "borrowed": Series("poolserve_borrowed_total", "counter", ("pool", "into", "tenant"),
+                       "Requests sent to another pool's spare capacity"),
+    "quota_rejections": Series("poolserve_quota_rejections_total", "counter", ("tenant", "limit"),
+                               "Requests refused by a tenant quota (limit: requests, tokens, concurrency, too_large)"),
+    "shed": Series("poolserve_shed_total", "counter", ("pool", "tenant", "reason"),
+                   "Requests the router refused for a pool that could not take them "
+                   "(queue_full, pool_busy, pool_unavailable)"),
+    "tenant_tokens": Series("poolserve_tenant_tokens_total", "counter", ("tenant", "pool", "kind"),
+                            "Tokens used per tenant (kind: prompt, completion)"),
+    "quota_remaining_tokens": Series("poolserve_quota_remaining_tokens", "gauge", ("tenant",),
+                                     "Tokens left in the tenant's minute (tenants with a token quota)"),
+    "quota_remaining_requests": Series("poolserve_quota_remaining_requests", "gauge", ("tenant",),
+                                       "Requests left in the tenant's minute (tenants with a request quota)"),
+    "decisions": Series("poolserve_autoscale_decisions_total", "counter", ("pool", "action", "reason"),
+                        "Autoscaler decisions"),
+    "target_seqs": Series("poolserve_autoscale_target_seqs", "gauge", ("pool",), "Autoscaler target max_active_seqs"),
+    "profile_stale": Series("poolserve_profile_stale", "gauge", ("pool",),
+                            "1 while a pool runs without a profile measured on its set-up "
+                            "(calibrating, fallback, strict, failed)"),
 }
+NAMES = {key: s.name for key, s in SERIES.items()}
+# which process sets which: a pool replica its gate's and engine's state and its requests', a
+# router replica its tenants', the controller its decisions
+POOL_STATE = ("queue_depth", "queued_tokens", "active_seqs", "inflight_tokens", "limit_seqs", "limit_tokens",
+              "range_low", "range_high", "kv_usage", "engine_running", "engine_waiting")
+POOL_REQUESTS = ("ttft", "tpot", "queue_wait", "admitted", "rejected", "cancelled")
+ROUTER = ("router_requests", "borrowed", "quota_rejections", "shed", "tenant_tokens", "quota_remaining_tokens",
+          "quota_remaining_requests")
+CONTROLLER = ("decisions", "target_seqs", "profile_stale")
 
 
-def _metrics():
+def _made(*keys: str) -> dict:
+    """The series of `keys`, made with Ray's metrics API (imported here: importing this is free)."""
     from ray.util import metrics
 
-    return metrics
+    out = {}
+    for key in keys:
+        s = SERIES[key]
+        if s.kind == "histogram":
+            out[key] = metrics.Histogram(s.name, s.help, list(s.buckets), s.labels)
+        else:
+            out[key] = (metrics.Gauge if s.kind == "gauge" else metrics.Counter)(s.name, s.help, s.labels)
+    return out
 
 
 class PoolMetrics:
@@ -63,36 +114,11 @@ class PoolMetrics:
 
     @cached_property
     def _g(self):
-        m = _metrics()
-        rk = ("pool", "replica")
-        return {
-            "queue_depth": m.Gauge(NAMES["queue_depth"], "Requests waiting at the gate", rk + ("priority",)),
-            **{k: m.Gauge(NAMES[k], d, rk) for k, d in (
-                ("queued_tokens", "Tokens waiting at the gate (prompt + max_tokens)"),
-                ("active_seqs", "Requests holding a slot"),
-                ("inflight_tokens", "Tokens of the requests holding a slot"),
-                ("limit_seqs", "Runtime limit on active sequences"),
-                ("limit_tokens", "Runtime limit on in-flight tokens"),
-                ("range_low", "Bottom of the safe range"),
-                ("range_high", "Top of the safe range"),
-                ("kv_usage", "vLLM KV cache usage (0-1)"),
-                ("engine_running", "vLLM running requests"),
-                ("engine_waiting", "vLLM waiting requests"),
-            )},
-        }
+        return _made(*POOL_STATE)
 
     @cached_property
     def _h(self):
-        m = _metrics()
-        k = ("pool", "tenant", "priority")
-        return {
-            "ttft": m.Histogram(NAMES["ttft"], "Arrival at the replica to first token", LATENCY_BUCKETS_S, k),
-            "tpot": m.Histogram(NAMES["tpot"], "Time per output token after the first", TPOT_BUCKETS_S, k),
-            "queue_wait": m.Histogram(NAMES["queue_wait"], "Time waiting at the gate", LATENCY_BUCKETS_S, k),
-            "admitted": m.Counter(NAMES["admitted"], "Requests admitted by the gate", k),
-            "rejected": m.Counter(NAMES["rejected"], "Requests the gate rejected", k + ("reason",)),
-            "cancelled": m.Counter(NAMES["cancelled"], "Requests cancelled (client gone)", k),
-        }
+        return _made(*POOL_REQUESTS)
 
     def state(self, gate: "GateStats", engine: "EngineStats", allowed: "SafeRange") -> None:
         g, t = self._g, self._tags
@@ -134,23 +160,7 @@ class RouterMetrics:
 
     @cached_property
     def _m(self):
-        m = _metrics()
-        return {
-            "router_requests": m.Counter(NAMES["router_requests"], "Requests by final status",
-                                         ("pool", "tenant", "status")),
-            "borrowed": m.Counter(NAMES["borrowed"], "Requests sent to another pool's spare capacity",
-                                  ("pool", "into", "tenant")),
-            "quota_rejections": m.Counter(NAMES["quota_rejections"], "Requests refused by a tenant quota",
-                                          ("tenant", "limit")),
-            "shed": m.Counter(NAMES["shed"], "Requests the router refused for a pool that could not take them "
-                                             "(queue_full, pool_busy, pool_unavailable)", ("pool", "tenant", "reason")),
-            "tenant_tokens": m.Counter(NAMES["tenant_tokens"], "Tokens used per tenant",
-                                       ("tenant", "pool", "kind")),
-            "quota_remaining_tokens": m.Gauge(NAMES["quota_remaining_tokens"],
-                                              "Tokens left in the tenant's minute", ("tenant",)),
-            "quota_remaining_requests": m.Gauge(NAMES["quota_remaining_requests"],
-                                                "Requests left in the tenant's minute", ("tenant",)),
-        }
+        return _made(*ROUTER)
 
     def request(self, pool: str, tenant: str, status: int) -> None:
         self._m["router_requests"].inc(1, {"pool": pool, "tenant": tenant, "status": str(status)})
@@ -181,14 +191,7 @@ class ControllerMetrics:
 
     @cached_property
     def _m(self):
-        m = _metrics()
-        return {
-            "decisions": m.Counter(NAMES["decisions"], "Autoscaler decisions",
-                                   ("pool", "action", "reason")),
-            "target_seqs": m.Gauge(NAMES["target_seqs"], "Autoscaler target max_active_seqs", ("pool",)),
-            "profile_stale": m.Gauge(NAMES["profile_stale"], "1 while a pool runs without a profile measured on its "
-                                                             "set-up (calibrating, fallback, strict, failed)", ("pool",)),
-        }
+        return _made(*CONTROLLER)
 
     def decision(self, pool: str, action: str, code: str, target: int) -> None:
         self._m["decisions"].inc(1, {"pool": pool, "action": action, "reason": code})
