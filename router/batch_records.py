@@ -307,8 +307,10 @@ class BatchStore:
         self._counted[record["id"]] = (start, ok, failed)
         record["request_counts"].update(completed=ok, failed=failed)
 
-    def forget_counts_but(self, ids: set[str]) -> None:
+    def forget_but(self, ids: set[str]) -> None:
+        """What is kept of each batch but those of `ids` (the unfinished): kept, it only grew."""
         self._counted = {k: v for k, v in self._counted.items() if k in ids}
+        self._held_told &= ids
 
     def _cannot_read(self, path: Path, tenant: Path | None = None) -> None:
         """A record or folder the volume failed to read, of `tenant`, may name an input a job

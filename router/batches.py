@@ -179,7 +179,7 @@ class Batches:
             if record["status"] not in TERMINAL:
                 reading.add(self._files.path(record["_tenant"], record["input_file_id"]))
                 moving.add(record["id"])
-        self._store.forget_counts_but(moving)
+        self._store.forget_but(moving)
         if self._clock() >= self._swept_at + SWEEP_INTERVAL_S:  # it reads every file's object: not at every poll
             try:
                 marked = self._store.mark_unfinished()  # a replica of the version before may still create batches

@@ -317,6 +317,8 @@ def test_a_job_its_api_lost_is_not_run_again_while_it_still_writes(world):
     batches.poll()
     b = batches.get("acme", b["id"])
     assert b["status"] == "cancelled" and b["request_counts"]["completed"] == 3 and runner.jobs == {}
+    batches.poll()
+    assert batches._store._held_told == set(), "a finished batch is not remembered (the set only grew)"
 
 
 def test_a_lock_no_job_releases_ends_with_the_window_and_a_volume_without_locks_holds_none(world, monkeypatch):
