@@ -23,9 +23,9 @@ offline pool:
 * The tenant's concurrent slots are shared by all its clients (its other batches, its chat): a
   job refused a slot keeps no more lines out than its others then out, waits for one of them to
   end rather than the Retry-After, probes once per Retry-After when it has none out, and lets
-  one more out each time as many as it lets out are answered, up to `--concurrency`. Its wait
-  counts as pacing, and a job answered nothing for as long as a line may be paced paces no line
-  further.
+  one more out each time as many as it lets out are answered, up to `--concurrency`. A job the
+  router answered nothing for as long as a line may be paced paces no line further: each fails
+  at its next refusal.
 """
 
 from __future__ import annotations
@@ -120,15 +120,16 @@ class Share:
         self.most = self.limit = most
         self.out = 0  # lines being sent or waiting to be sent again; not those waiting for their turn
         self._answers = 0  # since the limit last moved
+        self._refused = 0  # lines waiting for their turn again: before any line not yet sent
         self._turn = asyncio.Condition()
-        # when a line was last answered (or the job began): with none for `max_paced_s`, a line
-        # is paced out at its first refusal. Each line's own pacing alone let lines cut back to
-        # one at a time each pace it in turn: 83 s for 8 lines paced 10 s, for ever for a batch
+        # when the router last answered a line (or the job began): with no answer for
+        # `max_paced_s`, a line fails at its next refusal. Each line's own pacing alone let lines
+        # cut back to one at a time pace the bound each in turn: 83 s for 8 lines paced 10 s
         self.answered_at = now
 
     async def take(self) -> None:
         async with self._turn:
-            await self._turn.wait_for(lambda: self.out < self.limit)
+            await self._turn.wait_for(lambda: self.out < self.limit and not self._refused)
             self.out += 1
 
     async def give(self) -> None:
@@ -137,8 +138,8 @@ class Share:
             self._turn.notify_all()
 
     def answered(self, now: float) -> None:
-        """A line answered, not refused a slot: one more may be out once as many lines as may be
-        out now were answered (additive increase)."""
+        """The router answered a line, neither refusing it a slot nor pacing it: one more may be
+        out once as many lines as may be out now were answered (additive increase)."""
         self.answered_at = now
         if self.limit < self.most:
             self._answers += 1
@@ -147,19 +148,23 @@ class Share:
 
     async def refused(self) -> bool:
         """A slot refused: the tenant's are all held, at most `out - 1` of them by this job. True
-        once another line's end gave the refused one its turn; False when this job holds none,
-        so the one line left out waits the Retry-After."""
+        once another line's end gave the refused one its turn (before lines not yet sent: behind
+        them it waited for as long as they came); False when this job has no other line out, so
+        the one line left out waits the Retry-After."""
         held = self.out - 1
         self.limit, self._answers = max(1, held), 0
         if held < 1:
             return False
         async with self._turn:
             self.out -= 1
+            self._refused += 1
             self._turn.notify_all()
             try:
                 await self._turn.wait_for(lambda: self.out < self.limit)
             finally:  # its turn; or, cancelled, its worker gives it back
                 self.out += 1
+                self._refused -= 1
+                self._turn.notify_all()
         return True
 
 
@@ -242,9 +247,9 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
             except ValueError:
                 body = {"error": {"message": r.text[:500], "type": "server_error"}}
             code = error_code(body)
+            if share is not None and not (status == 429 and code is not None and code.endswith(PACING)):
+                share.answered(asyncio.get_running_loop().time())  # neither a refused slot nor paced
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
-                if share is not None:
-                    share.answered(asyncio.get_running_loop().time())
                 if status == 200:
                     usage = body.get("usage") if isinstance(body, dict) else None
                     tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
@@ -254,18 +259,15 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
         pacing = status == 429 and code is not None and code.endswith(PACING)
-        if code == "concurrency_quota_exceeded" and share is not None and paced < policy.max_paced_s:
-            started = asyncio.get_running_loop().time()
-            if await share.refused():  # waiting its turn is pacing too: `max_paced_s` bounds it
-                paced += asyncio.get_running_loop().time() - started
-                progress.retried += 1
-                continue
+        stalled = share is not None and asyncio.get_running_loop().time() - share.answered_at >= policy.max_paced_s
+        if code == "concurrency_quota_exceeded" and share is not None and not stalled and await share.refused():
+            progress.retried += 1
+            continue
         if not pacing:
             attempt += 1
             if attempt >= policy.max_attempts:
                 break
-        elif paced >= policy.max_paced_s or (
-                share is not None and asyncio.get_running_loop().time() - share.answered_at >= policy.max_paced_s):
+        elif paced >= policy.max_paced_s or stalled:
             break
         delay = policy.delay(max(1, attempt), wait, rng)
         paced += delay if pacing else 0.0

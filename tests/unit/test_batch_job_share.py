@@ -100,3 +100,13 @@ def test_waiting_for_its_turn_counts_as_pacing(tmp_path, monkeypatch):
                                              policy=RetryPolicy(max_paced_s=10.0))
     assert [x["response"]["status_code"] for x in outputs[0]] == [429] * 8 and progress[0].failed == 8
     assert elapsed <= 2 * 10.0, elapsed
+
+
+def test_a_job_answered_all_along_fails_no_line_for_its_wait(tmp_path, monkeypatch):
+    """The tenant's other clients hold 3 of its 4 slots for good: the job runs one line at a time,
+    answered every second. Lines refused at its start waited behind lines not yet sent, their
+    wait counted as pacing, and 15 of 300 failed while the job was answered all along."""
+    seen, progress, outputs, elapsed = _jobs(tmp_path, monkeypatch, jobs=1, lines=60, concurrency=8, others=3,
+                                             policy=RetryPolicy(max_paced_s=10.0))
+    assert [x["response"]["status_code"] for x in outputs[0]] == [200] * 60 and progress[0].failed == 0
+    assert elapsed <= 60 * SERVICE_S + 2, elapsed
