@@ -12,8 +12,10 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 INTRO = """# Metrics
 
 poolserve's series go out through Ray's metrics API, on the Prometheus endpoint of every Ray
-node (`ray.metrics_export_port`, 8080 unless taken; on Kubernetes the PodMonitor scrapes each
-Ray pod's `:8080/metrics`), beside vLLM's `ray_vllm_*` and Serve's `ray_serve_*`. Ray puts
+node, beside vLLM's `ray_vllm_*` and Serve's `ray_serve_*`: `ray.metrics_export_port` (8080;
+`poolserve serve` moves it to the next free port when it is taken and says so, a cluster joined
+through `ray.address` keeps its own), and on Kubernetes the port named `metrics` of each pod of
+the RayService, which the PodMonitor scrapes. Ray puts
 `ray_` in front of every name: `poolserve_ttft_seconds` is scraped as
 `ray_poolserve_ttft_seconds_bucket`, `_sum` and `_count`. A series appears once the process
 that sets it has set it. `k8s/dashboards/poolserve.json` is a Grafana dashboard of them.

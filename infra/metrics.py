@@ -35,10 +35,11 @@ _REPLICA, _REQUEST = ("pool", "replica"), ("pool", "tenant", "priority")
 SERIES = {
     "queue_depth": Series("poolserve_queue_depth", "gauge", _REPLICA + ("priority",), "Requests waiting at the gate"),
     "queued_tokens": Series("poolserve_queued_tokens", "gauge", _REPLICA,
-                            "Tokens waiting at the gate (prompt + max_tokens)"),
+                            "Tokens waiting at the gate (prompt + n x max_tokens each)"),
     "active_seqs": Series("poolserve_active_seqs", "gauge", _REPLICA,
                          "Sequences holding a slot (a request of n choices holds n)"),
-    "inflight_tokens": Series("poolserve_inflight_tokens", "gauge", _REPLICA, "Tokens of the requests holding a slot"),
+    "inflight_tokens": Series("poolserve_inflight_tokens", "gauge", _REPLICA,
+                              "Tokens of the requests holding a slot (prompt + n x max_tokens each)"),
     "limit_seqs": Series("poolserve_limit_max_active_seqs", "gauge", _REPLICA, "Runtime limit on active sequences"),
     "limit_tokens": Series("poolserve_limit_max_inflight_tokens", "gauge", _REPLICA,
                            "Runtime limit on in-flight tokens"),
@@ -47,9 +48,11 @@ SERIES = {
     "kv_usage": Series("poolserve_kv_usage", "gauge", _REPLICA, "vLLM KV cache usage (0-1)"),
     "engine_running": Series("poolserve_engine_running", "gauge", _REPLICA, "vLLM running requests"),
     "engine_waiting": Series("poolserve_engine_waiting", "gauge", _REPLICA, "vLLM waiting requests"),
-    "ttft": Series("poolserve_ttft_seconds", "histogram", _REQUEST, "Arrival at the replica to first token",
+    "ttft": Series("poolserve_ttft_seconds", "histogram", _REQUEST,
+                   "Arrival at the replica to first token, of streamed requests",
                    LATENCY_BUCKETS_S),
-    "tpot": Series("poolserve_tpot_seconds", "histogram", _REQUEST, "Time per output token after the first",
+    "tpot": Series("poolserve_tpot_seconds", "histogram", _REQUEST,
+                   "Time per output token after the first, of streamed requests (all choices' tokens)",
                    TPOT_BUCKETS_S),
     "queue_wait": Series("poolserve_queue_wait_seconds", "histogram", _REQUEST, "Time waiting at the gate",
                          LATENCY_BUCKETS_S),
@@ -57,9 +60,11 @@ SERIES = {
     "rejected": Series("poolserve_rejected_total", "counter", _REQUEST + ("reason",),
                        "Requests the gate refused (reason: queue_full, evicted, lender_busy)"),
     "cancelled": Series("poolserve_cancelled_total", "counter", _REQUEST,
-                        "Admitted requests that did not finish (client gone, engine error)"),
+                        "Admitted requests that did not finish: the client gone, the engine's refusal or error"),
     "router_requests": Series("poolserve_router_requests_total", "counter", ("pool", "tenant", "status"),
-                              "Requests by final HTTP status"),
+                              "Requests by final HTTP status (499: the client left first; 503 also for a stream "
+                              "that broke after its 200; before a key is read, tenant `-` and pool `-`, or `unknown` "
+                              "for an unknown prefix)"),
     "borrowed": Series("poolserve_borrowed_total", "counter", ("pool", "into", "tenant"),
                        "Requests sent to another pool's spare capacity"),
     "quota_rejections": Series("poolserve_quota_rejections_total", "counter", ("tenant", "limit"),
@@ -74,11 +79,14 @@ SERIES = {
     "quota_remaining_requests": Series("poolserve_quota_remaining_requests", "gauge", ("tenant",),
                                        "Requests left in the tenant's minute (tenants with a request quota)"),
     "decisions": Series("poolserve_autoscale_decisions_total", "counter", ("pool", "action", "reason"),
-                        "Autoscaler decisions"),
-    "target_seqs": Series("poolserve_autoscale_target_seqs", "gauge", ("pool",), "Autoscaler target max_active_seqs"),
+                        "Autoscaler decisions: one per pool at each tick, holds included, and each up move made at a "
+                        "report between ticks; none while a pool is pinned (action: up, down, hold, clamp; reason: "
+                        "the decision's `code` in GET /admin/decisions)"),
+    "target_seqs": Series("poolserve_autoscale_target_seqs", "gauge", ("pool",),
+                          "Autoscaler target max_active_seqs (not set while a pool is pinned)"),
     "profile_stale": Series("poolserve_profile_stale", "gauge", ("pool",),
-                            "1 while a pool runs without a profile measured on its set-up "
-                            "(calibrating, fallback, strict, failed)"),
+                            "1 while a pool runs on neither a configured range nor a profile measured on its set-up "
+                            "(unknown, calibrating, fallback, strict, failed)"),
 }
 NAMES = {key: s.name for key, s in SERIES.items()}
 # which process sets which: a pool replica its gate's and engine's state and its requests', a

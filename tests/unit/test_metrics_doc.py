@@ -16,7 +16,7 @@ def test_the_metrics_doc_is_the_one_the_series_make():
     assert DOC.read_text() == render(), "run `python -m deployments.config_doc`"
 
 
-def test_every_series_is_set_by_one_process_and_documented_once():
+def test_every_series_is_in_one_process_group_and_documented_once():
     keys = [k for _, group in GROUPS for k in group]
     assert sorted(keys) == sorted(SERIES), "a series no process makes, or one made by two"
     assert all(render().count(f"`ray_{s.name}`") == 1 for s in SERIES.values())
