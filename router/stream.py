@@ -18,8 +18,10 @@ started (its client left between the handler's return and the first byte) is set
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
 from infra.bounds import Overdue, within
@@ -162,16 +164,20 @@ class PoolStream:
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)
-        # Ray LLM sends a streamed request that vLLM's serving refused as the error, in its first chunk's place
+        # a streamed request vLLM's serving refused comes as the error in its first chunk's place:
+        # an error object from Ray LLM, or the SSE error event vLLM's stream generator sends for
+        # what the engine raised as it took the request (a token id out of the vocabulary)
         head = first[0] if isinstance(first, list) and first else first
-        err = getattr(head, "error", None) if not isinstance(head, (list, str)) else None
+        err = _error_event(head) if isinstance(head, str) else getattr(head, "error", None)
         if err is not None and hasattr(err, "message"):
             status = int(getattr(err, "code", 400) or 400)
             status = status if 400 <= status < 600 else 400
             # a 4xx is an input the engine refused before any work; a 5xx is a generation that
             # failed, maybe after the engine's work: its usage is unknown and the charge stands
             self._s.never_ran = status < 500
-            raise ApiError(status, str(getattr(err, "type", "invalid_request")), err.message)
+            param = getattr(err, "param", None)
+            raise ApiError(status, str(getattr(err, "type", None) or "invalid_request"), str(err.message),
+                           param if isinstance(param, str) else None)
         return first
 
     async def whole(self, first: Any) -> Any:
@@ -215,6 +221,18 @@ class PoolStream:
                 self.cancel()
                 self._s.status = 499  # the client closed the connection
             self._s.close()
+
+
+def _error_event(text: str) -> Any:
+    """The error of an SSE error event (`data: {"error": {...}}`), else None."""
+    if not text.startswith("data: {") or '"error"' not in text[:16]:
+        return None
+    try:
+        err = json.loads(text[len("data: "):]).get("error")
+    except ValueError:
+        return None
+    return SimpleNamespace(**{k: err.get(k) for k in ("message", "type", "param", "code")}) if isinstance(
+        err, dict) and isinstance(err.get("message"), str) else None
 
 
 def _text(item: Any) -> str:
