@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from infra.bounds import within
+from infra.bounds import Overdue, within
 from infra.state import StateStore
 from router.quota import Charge, Denied, Grant, LeaseBook, Need, Quota, QuotaLedger
 
@@ -139,8 +139,16 @@ class QuotaClient:
     async def _refill_and_charge(self, tenant: str, tokens: int, new_request: bool) -> Charge | Denied:
         """Ask the ledger for what the lease lacks and charge right after its answer, under the
         tenant's lock: between a grant and its charge no other request or sync can spend it.
-        A charge refused after that names the limit that ran short, never a lost race."""
-        async with self._locks[tenant]:
+        A charge refused after that names the limit that ran short, never a lost race. The wait
+        for the lock is bounded as a call is: behind a ledger that does not answer, a tenant's
+        k-th request waiting its turn got its 503 after k calls' bounds (80 s for the 8th)."""
+        lock = self._locks[tenant]
+        try:
+            await within(self._call_timeout_s, lock.acquire())
+        except Overdue:
+            raise QuotaUnavailable(f"tenant {tenant!r}'s requests before this one waited the quota ledger for "
+                                   f"{self._call_timeout_s:g}s") from None
+        try:
             if self._book.lease(tenant).tokens < 0:  # a debt goes to the ledger first, so its answer's wait counts it
                 await self._settle(tenant, wait_out=True)
             for _ in range(self.MAX_REFILLS):
@@ -152,6 +160,8 @@ class QuotaClient:
                     return denied
             result = self._book.try_charge(tenant, tokens, new_request, self._clock())
             return result if isinstance(result, Charge) else self._book.short(tenant, result)
+        finally:
+            lock.release()
 
     async def _grant(self, tenant: str, need: Need, sent: float) -> Grant:
         """The ledger's grant. A caller that leaves meanwhile still waits for the answer, under

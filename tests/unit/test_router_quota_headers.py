@@ -49,3 +49,22 @@ def test_a_ledger_that_never_answers_is_a_503_quota_unavailable_with_retry_after
     assert r.status_code == 503 and r.json()["error"]["code"] == "quota_unavailable"
     assert r.headers["retry-after"] == "5"
     assert fine.status_code == 200
+
+
+def test_requests_behind_a_ledger_that_never_answers_each_get_their_503_within_a_calls_bound():
+    """Each waited for the tenant's lock behind the one before, whose grant waited its 10 s
+    bound: the 8th of 8 requests at once got its 503 after 80 s, the 100th after 1,000 s (longer
+    than the OpenAI SDK waits)."""
+    async def go():
+        router, _ = make_router()
+        router._quota._ledger = SilentLedger({t.name: Quota(**t.quota.model_dump()) for t in TENANTS})
+        loop = asyncio.get_running_loop()
+        async with client(router) as c:
+            async def one():
+                r = await c.post("/p/v1/chat/completions", json=CHAT, headers=auth("slow"))
+                return r.status_code, r.json()["error"]["code"], loop.time()
+            return await asyncio.gather(*(one() for _ in range(8)))
+
+    answers = virtual_time.run(go)
+    assert {(status, code) for status, code, _ in answers} == {(503, "quota_unavailable")}
+    assert max(at for _, _, at in answers) <= 2 * 10.0, answers  # the lock's bound, then at most a call's
