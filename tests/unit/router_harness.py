@@ -130,6 +130,13 @@ def make_router(pool: FakePool | None = None, views: dict | None = None, **route
     return router, pool
 
 
+def settles(router: Endpoints) -> list:
+    """The used tokens each request's charge is settled with (None: unknown, the charge stands)."""
+    settled, finish = [], router._quota.finish
+    router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+    return settled
+
+
 def client(router: Endpoints) -> httpx.AsyncClient:
     """An HTTP client of the router's FastAPI app, served in-process over ASGI."""
     app = make_app()

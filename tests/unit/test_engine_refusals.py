@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pools.types import Admitted, Finished
-from tests.unit.router_harness import FakePool, auth, client, make_router
+from tests.unit.router_harness import FakePool, auth, client, make_router, settles
 
 ERROR = {"error": {"message": "Token id 99999 is out of vocabulary", "type": "BadRequestError",
                    "param": "prompt", "code": 400}}
@@ -30,8 +30,7 @@ def test_a_stream_vllm_answered_with_an_error_event_is_a_400_and_refunded(chunks
 
     async def go():
         router, _ = make_router(FakePool(refusing))
-        settled, finish = [], router._quota.finish
-        router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+        settled = settles(router)
         async with client(router) as c:
             r = await c.post("/p/v1/completions", json={"prompt": [99999], "max_tokens": 40, "stream": True},
                              headers=auth("b"))

@@ -13,7 +13,7 @@ from pools.control import PoolView
 from router.ingress import make_app
 from router.quota import Quota
 from tests.unit import virtual_time
-from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router, scope
+from tests.unit.router_harness import TENANTS, FakePool, answer, auth, client, make_router, scope, settles
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -318,8 +318,7 @@ def test_a_stream_the_engine_refused_is_a_4xx_and_costs_nothing():
 
     async def go():
         router, _ = make_router(FakePool(refusing))
-        settled, finish = [], router._quota.finish
-        router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+        settled = settles(router)
         async with client(router) as c:
             r = await c.post("/p/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth("a"))
         return r, router, settled
@@ -350,8 +349,7 @@ def test_an_engine_failure_keeps_the_charge_where_an_input_error_refunds_it(stre
 
     async def go(code):
         router, _ = make_router(FakePool(failing(code)))
-        settled, finish = [], router._quota.finish
-        router._quota.finish = lambda charge, used: (settled.append(used), finish(charge, used))[1]
+        settled = settles(router)
         async with client(router) as c:
             r = await c.post("/p/v1/chat/completions", json={**CHAT, "stream": stream}, headers=auth("a"))
         return r, router, settled
