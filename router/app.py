@@ -37,7 +37,7 @@ from router.load import PoolLoads
 from router.policy import PoolRoute, choose_pool, dispatch_plan, resolve_priority
 from router.pricing import PricedRequest, Pricer, PromptCounter
 from router.quota import Charge, Quota
-from router.stream import PoolStream, Settlement
+from router.stream import PoolStream, Settlement, from_pool
 from router.turns import Turns
 
 log = logging.getLogger("poolserve.router")
@@ -280,7 +280,9 @@ async def _guarded(stream: PoolStream, step) -> Any:
         return await step
     except ApiError:
         raise
-    except Exception as e:
+    except BaseException as e:
+        if not from_pool(e):
+            raise
         log.warning("pool %s failed before responding: %r", stream.pool, e)
         raise ApiError(503, "pool_unavailable", f"pool {stream.pool!r} is unavailable; retry shortly",
                        retry_after_s=5) from None

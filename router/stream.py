@@ -186,10 +186,11 @@ class PoolStream:
             async for item in self._gen:
                 if isinstance(item, Finished):
                     self._s.usage = item.usage
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        except Exception as e:  # the pool failed after answering: the usage is lost, the answer is not whole
+        except BaseException as e:
+            if not from_pool(e):
+                self.cancel()
+                raise
+            # the pool failed after answering: the usage is lost, the answer is not whole
             log.warning("pool %s failed after its response: %r", self.pool, e)
             raise self._s.fail(ApiError(503, "pool_failed", f"pool {self.pool!r} failed while answering; retry the "
                                                             "request", retry_after_s=5)) from None
@@ -210,7 +211,10 @@ class PoolStream:
                     yield text
             finished = True
             yield DONE
-        except Exception as e:  # the pool failed mid-stream: end the stream with an error event
+        except BaseException as e:
+            if not from_pool(e):
+                raise
+            # the pool failed mid-stream: end the stream with an error event
             log.warning("pool %s failed mid-stream: %r", self.pool, e)
             self._s.status, finished = 503, True
             yield sse_error(503, "pool_failed", f"pool {self.pool!r} failed while streaming; the response is "
@@ -221,6 +225,17 @@ class PoolStream:
                 self.cancel()
                 self._s.status = 499  # the client closed the connection
             self._s.close()
+
+
+def from_pool(e: BaseException) -> bool:
+    """Whether an error of a pool's stream is the pool's failure, not this request's end: a
+    cancellation this task was not asked for is Ray Serve's word that the replica cancelled the
+    call (it was shutting down), which was taken for the client leaving: no error event, no
+    `[DONE]`, and a 499 in the books."""
+    if isinstance(e, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is not None and not task.cancelling()
+    return isinstance(e, Exception)
 
 
 def _error_event(text: str) -> Any:
