@@ -41,19 +41,31 @@ class Cumulative:
     preemptions), and the other way round took it away. A count that went back (a restarted
     replica) counts from zero, unless its reading is no newer than the last: that is a report
     that came late, passed over (read, it looked like a restart, and the next reading counted
-    again from it). Times order only those: a clock stepped back holds no count back."""
+    again from it). A reading older than a restart is the run before's: read against that run's
+    last count (read against the new run's, a late one added the old run's whole history). Times
+    order only these: a clock stepped back holds no count back."""
 
     def __init__(self) -> None:
         self.total = 0
         self.last: dict[str, tuple[float, int]] = {}  # source -> (when its reading was made, count)
+        self._restarts: dict[str, tuple[float, int]] = {}  # source -> (its last restart's reading time,
+        # the run before's last count)
 
     def read(self, source: str, at: float, n: int) -> None:
         before = self.last.get(source)
-        if before is not None:
-            if n < before[1] and at <= before[0]:
-                return
-            self.total += n - before[1] if n >= before[1] else n
-        self.last[source] = (at, n)
+        restart = self._restarts.get(source)
+        if before is None:
+            self.last[source] = (at, n)
+        elif restart is not None and at < restart[0]:  # the run before's, come late
+            self.total += max(0, n - restart[1])
+            self._restarts[source] = (restart[0], max(n, restart[1]))
+        elif n >= before[1]:
+            self.total += n - before[1]
+            self.last[source] = (at, n)
+        elif at > before[0]:  # restarted: from zero since
+            self.total += n
+            self._restarts[source] = (at, before[1])
+            self.last[source] = (at, n)
 
     def read_all(self, counts: dict[str, tuple[float, int]]) -> None:
         for source, (at, n) in counts.items():
@@ -63,3 +75,4 @@ class Cumulative:
         """Sources long gone: one that reports again starts from a new first reading."""
         for source in sources:
             self.last.pop(source, None)
+            self._restarts.pop(source, None)

@@ -136,3 +136,7 @@ def test_a_report_that_came_late_and_a_restart_count_what_happened():
     for at, n in [(100.0, 10), (40.0, 12), (50.0, 20)]:  # a replica's clock stepped back: its counts still count
         events.note(dataclasses.replace(counted("r2", preemptions=n), time=at))
     assert events.preempted == 8 + 10
+    # a report from before a restart that comes after the restart's first: 100 -> 102, then 0 -> 7
+    for at, n in [(10.0, 100), (12.0, 5), (11.0, 102), (13.0, 7)]:
+        events.note(dataclasses.replace(counted("r3", preemptions=n), time=at))
+    assert events.preempted == 18 + 9, "the old run's whole history read as new"
