@@ -170,7 +170,10 @@ class PoolStream:
         head = first[0] if isinstance(first, list) and first else first
         err = _error_event(head) if isinstance(head, str) else getattr(head, "error", None)
         if err is not None and hasattr(err, "message"):
-            status = int(getattr(err, "code", 400) or 400)
+            try:
+                status = int(getattr(err, "code", 400) or 400)
+            except (TypeError, ValueError):  # a code that is no number: the engine refused the input
+                status = 400
             status = status if 400 <= status < 600 else 400
             # a 4xx is an input the engine refused before any work; a 5xx is a generation that
             # failed, maybe after the engine's work: its usage is unknown and the charge stands

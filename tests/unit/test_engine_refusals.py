@@ -18,6 +18,7 @@ ERROR = {"error": {"message": "Token id 99999 is out of vocabulary", "type": "Ba
 @pytest.mark.parametrize("chunks", [
     [f"data: {json.dumps(ERROR)}\n\n"],
     [f"data: {json.dumps(ERROR, separators=(',', ':'))}\n\n", "data: [DONE]\n\n"],
+    [f"data: {json.dumps({'error': {**ERROR['error'], 'code': 'bad_request'}})}\n\n"],  # a code no number
 ])
 def test_a_stream_vllm_answered_with_an_error_event_is_a_400_and_refunded(chunks):
     """vLLM's stream generators catch what the engine raises when it takes the request (a token
