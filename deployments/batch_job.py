@@ -137,14 +137,16 @@ class Share:
             self.out -= 1
             self._turn.notify_all()
 
-    def answered(self, now: float) -> None:
+    async def answered(self, now: float) -> None:
         """The router answered a line, neither refusing it a slot nor pacing it: one more may be
-        out once as many lines as may be out now were answered (additive increase)."""
+        out once as many lines as may be out now were answered (additive increase), at once."""
         self.answered_at = now
         if self.limit < self.most:
             self._answers += 1
             if self._answers >= self.limit:
-                self._answers, self.limit = 0, self.limit + 1
+                async with self._turn:
+                    self._answers, self.limit = 0, self.limit + 1
+                    self._turn.notify_all()
 
     async def refused(self) -> bool:
         """A slot refused: the tenant's are all held, at most `out - 1` of them by this job. True
@@ -248,7 +250,7 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 body = {"error": {"message": r.text[:500], "type": "server_error"}}
             code = error_code(body)
             if share is not None and not (status == 429 and code is not None and code.endswith(PACING)):
-                share.answered(asyncio.get_running_loop().time())  # neither a refused slot nor paced
+                await share.answered(asyncio.get_running_loop().time())  # neither a refused slot nor paced
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
                 if status == 200:
                     usage = body.get("usage") if isinstance(body, dict) else None
