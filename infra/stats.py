@@ -36,36 +36,39 @@ def counter_rate(samples: Sequence[tuple[float, float]], a: float, b: float) -> 
 
 class Cumulative:
     """What several sources' cumulative counters (replicas' preemptions or refusals) added, each
-    from its own first reading. Summed over the sources that reported, one whose report was stale
-    at the start and fresh at the end added its whole history (a healthy step read as 400
-    preemptions), and the other way round took it away. A count that went back (a restarted
-    replica) counts from zero, unless its reading is no newer than the last: that is a report
-    that came late, passed over (read, it looked like a restart, and the next reading counted
-    again from it). A reading older than a restart is the run before's: read against that run's
-    last count (read against the new run's, a late one added the old run's whole history). Times
-    order only these: a clock stepped back holds no count back."""
+    from its own first reading; never more than happened. Summed over the sources that reported,
+    one whose report was stale at the start and fresh at the end added its whole history (a
+    healthy step read as 400 preemptions), and the other way round took it away. A count that
+    went back on a newer reading is a restart, counted from zero. A reading older than the
+    source's current run (its first reading, or its restart's) is passed over: a report of a run
+    before that came late, or a clock stepped back, which the count cannot tell apart (read
+    against the new run, a late one added the old run's whole history; its own events are lost,
+    and a stepped-back clock's are counted once it passes the run's start again). Within a run,
+    a count that grew counts whatever its time; one that did not is a late report."""
 
     def __init__(self) -> None:
         self.total = 0
-        self.last: dict[str, tuple[float, int]] = {}  # source -> (when its reading was made, count)
-        self._restarts: dict[str, tuple[float, int]] = {}  # source -> (its last restart's reading time,
-        # the run before's last count)
+        # source -> (its run's start, whether a restart began it, its newest reading's time, count)
+        self._runs: dict[str, tuple[float, bool, float, int]] = {}
+
+    @property
+    def sources(self) -> set[str]:
+        return set(self._runs)
 
     def read(self, source: str, at: float, n: int) -> None:
-        before = self.last.get(source)
-        restart = self._restarts.get(source)
-        if before is None:
-            self.last[source] = (at, n)
-        elif restart is not None and at < restart[0]:  # the run before's, come late
-            self.total += max(0, n - restart[1])
-            self._restarts[source] = (restart[0], max(n, restart[1]))
-        elif n >= before[1]:
-            self.total += n - before[1]
-            self.last[source] = (at, n)
-        elif at > before[0]:  # restarted: from zero since
+        run = self._runs.get(source)
+        if run is None:
+            self._runs[source] = (at, False, at, n)
+            return
+        start, restarted, last_at, last_n = run
+        if at < start or (restarted and at <= start):  # a restart's time is the new run's first reading
+            return
+        if n >= last_n:
+            self.total += n - last_n
+            self._runs[source] = (start, restarted, max(at, last_at), n)
+        elif at > last_at:  # restarted: from zero since
             self.total += n
-            self._restarts[source] = (at, before[1])
-            self.last[source] = (at, n)
+            self._runs[source] = (at, True, at, n)
 
     def read_all(self, counts: dict[str, tuple[float, int]]) -> None:
         for source, (at, n) in counts.items():
@@ -74,5 +77,4 @@ class Cumulative:
     def forget(self, sources: Sequence[str]) -> None:
         """Sources long gone: one that reports again starts from a new first reading."""
         for source in sources:
-            self.last.pop(source, None)
-            self._restarts.pop(source, None)
+            self._runs.pop(source, None)

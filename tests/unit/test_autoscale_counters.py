@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infra.stats import Cumulative
 from pools.types import EngineStats
 from tests.unit.test_autoscale_controller import controller, stats
 
@@ -113,7 +115,7 @@ def test_replicas_long_gone_are_forgotten():
     clock.t += forget_after(c._config.stats_max_age_s) + 1
     c.report(counted("r1"))
     pool = c._pools["p"]
-    assert set(pool.reports) == {"r1"} and set(pool.events.preemptions.last) == set(pool.events.refusals.last) == {"r1"}
+    assert set(pool.reports) == {"r1"} and pool.events.preemptions.sources == pool.events.refusals.sources == {"r1"}
     for _ in range(12):  # past every cooldown: gone0 is back, with its old count as its baseline
         clock.t += 5
         c.report(counted("r1"))
@@ -133,10 +135,27 @@ def test_a_report_that_came_late_and_a_restart_count_what_happened():
     for at, n in [(1.0, 10), (2.0, 15), (1.5, 12), (3.0, 16), (4.0, 2)]:  # 16 -> 2: restarted, 2 since
         events.note(dataclasses.replace(counted("r1", preemptions=n, refused=n), time=at))
     assert (events.preempted, events.refused) == (8, 8)
-    for at, n in [(100.0, 10), (40.0, 12), (50.0, 20)]:  # a replica's clock stepped back: its counts still count
+    for at, n in [(100.0, 10), (40.0, 12), (50.0, 20)]:  # a replica's clock stepped back: held back...
         events.note(dataclasses.replace(counted("r2", preemptions=n), time=at))
-    assert events.preempted == 8 + 10
-    # a report from before a restart that comes after the restart's first: 100 -> 102, then 0 -> 7
-    for at, n in [(10.0, 100), (12.0, 5), (11.0, 102), (13.0, 7)]:
-        events.note(dataclasses.replace(counted("r3", preemptions=n), time=at))
-    assert events.preempted == 18 + 9, "the old run's whole history read as new"
+    assert events.preempted == 8
+    events.note(dataclasses.replace(counted("r2", preemptions=25), time=101.0))
+    assert events.preempted == 8 + 15, "...until its clock passes where it was, then counted whole"
+
+
+@pytest.mark.parametrize("readings, most", [
+    ([(10, 100), (12, 5), (11, 102), (13, 7)], 9),  # the run before's report comes after the restart's
+    ([(10, 100), (20, 5), (30, 3), (15, 110)], 18),  # from two runs back
+    ([(10, 100), (20, 5), (15, 150), (21, 160)], 160),  # the clock stepped back after a restart
+    ([(10, 100), (20, 5), (20, 102), (21, 7)], 9),  # the run before's, at the restart's own time
+    ([(20, 5), (10, 100), (21, 7)], 2),  # the first reading is a new run's, then a late one of the run before
+    ([(10, 100), (20, 5), (15, 9), (16, 2), (21, 4)], 13),
+])
+def test_late_reports_and_restarts_never_count_more_than_happened(readings, most):
+    """Read against the wrong run, a late report added the old run's whole history (109 for 9,
+    113 for 18, 210 for 160), and the pool stepped down for preemptions that never happened."""
+    counted_ = Cumulative()
+    for at, n in readings:
+        counted_.read("r", at, n)
+    # never more; fewer by the late reports' own events at most (the run before's are not told
+    # apart from a stepped-back clock's)
+    assert most - 10 <= counted_.total <= most, counted_.total
