@@ -144,8 +144,8 @@ class Share:
         if self.limit < self.most:
             self._answers += 1
             if self._answers >= self.limit:
+                self._answers, self.limit = 0, self.limit + 1  # before any await: one answer grows it once
                 async with self._turn:
-                    self._answers, self.limit = 0, self.limit + 1
                     self._turn.notify_all()
 
     async def refused(self) -> bool:

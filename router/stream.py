@@ -172,7 +172,7 @@ class PoolStream:
         if err is not None and hasattr(err, "message"):
             try:
                 status = int(getattr(err, "code", 400) or 400)
-            except (TypeError, ValueError):  # a code that is no number: the engine refused the input
+            except (TypeError, ValueError, OverflowError):  # no number (or inf): the engine refused the input
                 status = 400
             status = status if 400 <= status < 600 else 400
             # a 4xx is an input the engine refused before any work; a 5xx is a generation that

@@ -19,6 +19,7 @@ ERROR = {"error": {"message": "Token id 99999 is out of vocabulary", "type": "Ba
     [f"data: {json.dumps(ERROR)}\n\n"],
     [f"data: {json.dumps(ERROR, separators=(',', ':'))}\n\n", "data: [DONE]\n\n"],
     [f"data: {json.dumps({'error': {**ERROR['error'], 'code': 'bad_request'}})}\n\n"],  # a code no number
+    [f"data: {json.dumps({'error': {**ERROR['error'], 'code': float('inf')}})}\n\n"],  # nor a finite one
 ])
 def test_a_stream_vllm_answered_with_an_error_event_is_a_400_and_refunded(chunks):
     """vLLM's stream generators catch what the engine raises when it takes the request (a token
