@@ -159,3 +159,37 @@ def test_late_reports_and_restarts_never_count_more_than_happened(readings, most
     # never more; fewer by the late reports' own events at most (the run before's are not told
     # apart from a stepped-back clock's)
     assert most - 10 <= counted_.total <= most, counted_.total
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=6), min_size=1, max_size=4),
+       late=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 5)), max_size=6))
+def test_a_replicas_reports_in_any_arrival_order_never_count_more_than_happened(runs, late):
+    """A replica's runs (a restart begins each after the first), each a few reports of its count
+    growing by the drawn steps, made one second apart; some of them arrive late, after the next
+    few. In order and with every restart's count below the run before's, the count is exact."""
+    reports, at, happened, drops = [], 0, 0, True
+    for i, steps in enumerate(runs):
+        count = 1_000 if i == 0 else 0
+        drops &= i == 0 or steps[0] < reports[-1][1]  # a restart the count can tell
+        for step in steps:
+            count += step
+            happened += step
+            at += 1
+            reports.append((at, count))
+    happened -= runs[0][0]  # the first reading is where counting begins
+    arrival = list(reports)
+    for which, by in late:  # report `which` arrives `by` places later
+        if which < len(arrival):
+            item = arrival.pop(which)
+            arrival.insert(min(len(arrival), which + by), item)
+    for order in (reports, arrival):
+        c = Cumulative()
+        for t, n in order:
+            c.read("r", t, n)
+        assert c.total <= happened, (order, c.total, happened)
+    if drops:
+        c = Cumulative()
+        for t, n in reports:
+            c.read("r", t, n)
+        assert c.total == happened, (reports, c.total, happened)
