@@ -240,7 +240,7 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
         try:
             r = await client.post(url, json=payload, headers=headers)
         except httpx.HTTPError as e:
-            status, body, wait, code = None, None, None, None
+            status, body, wait, code, pacing = None, None, None, None, False
             error = {"code": "connection_error", "message": f"{type(e).__name__}: {e}"}
         else:
             status, wait, error = r.status_code, retry_after_of(r.headers), None
@@ -249,7 +249,8 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
             except ValueError:
                 body = {"error": {"message": r.text[:500], "type": "server_error"}}
             code = error_code(body)
-            if share is not None and not (status == 429 and code is not None and code.endswith(PACING)):
+            pacing = status == 429 and code is not None and code.endswith(PACING)
+            if share is not None and not pacing:
                 await share.answered(asyncio.get_running_loop().time())  # neither a refused slot nor paced
             if status not in RETRY_STATUSES or code == "request_too_large_for_quota":  # too large never fits
                 if status == 200:
@@ -260,7 +261,6 @@ async def run_one(client, base: str, key: str, req: BatchRequest, policy: RetryP
                 else:
                     progress.failed += 1
                 return result_line(req.custom_id, status, body, r.headers.get("x-request-id"))
-        pacing = status == 429 and code is not None and code.endswith(PACING)
         stalled = share is not None and asyncio.get_running_loop().time() - share.answered_at >= policy.max_paced_s
         if code == "concurrency_quota_exceeded" and share is not None and not stalled and await share.refused():
             progress.retried += 1

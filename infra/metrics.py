@@ -88,7 +88,6 @@ SERIES = {
                             "1 while a pool runs on neither a configured range nor a profile measured on its set-up "
                             "(unknown, calibrating, fallback, strict, failed)"),
 }
-NAMES = {key: s.name for key, s in SERIES.items()}
 # which process sets which: a pool replica its gate's and engine's state and its requests', a
 # router replica its tenants', the controller its decisions
 POOL_STATE = ("queue_depth", "queued_tokens", "active_seqs", "inflight_tokens", "limit_seqs", "limit_tokens",
