@@ -142,7 +142,8 @@ class Router:
                 sent = dataclasses.replace(sent, lend_after_quiet_s=rule.after_quiet_s,
                                            lend_below_utilisation=rule.while_below_utilisation,
                                            lend_max_share=rule.max_share)
-            stream = PoolStream(self._pools[attempt.pool].generate.remote(sent), attempt.pool, s)
+            stream = PoolStream(self._pools[attempt.pool].generate.remote(sent), attempt.pool, s,
+                                self._s.router.idle_timeout_s)
             try:
                 verdict = await _guarded(stream, stream.verdict(self._loads, cls, self._s.router.reach_timeout_s))
             except ApiError as e:

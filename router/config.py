@@ -119,6 +119,13 @@ class RouterConfig(Frozen):
     reach_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait to reach a pool replica (one is restarting, say) "
                                 "before it gets 503 with Retry-After. Waiting in a pool's queue is not counted.")
+    idle_timeout_s: float = Field(
+        600.0, gt=0, description="How long an admitted request may wait for its pool's next output (the first "
+                                 "token, the next chunk, or a whole response) before it fails with 504 "
+                                 "`pool_timeout` (a started stream: an error event) and its pool call is cancelled, "
+                                 "giving back its slot and its tenant's: a replica that stays up while its engine "
+                                 "hangs would hold them for ever. The OpenAI SDK gives up after 600 s by default; "
+                                 "raise it with clients that wait longer for whole responses on slow hardware.")
     admin_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
                                          description="SHA-256 of the admin key; unset (and no `admin` file in "
                                                      "`keys_dir`) disables /admin.")

@@ -113,8 +113,8 @@ class Settlement:
 class PoolStream:
     """One call's stream from a pool replica (a Serve response generator)."""
 
-    def __init__(self, gen: Any, pool: str, settlement: Settlement) -> None:
-        self._gen, self.pool, self._s = gen, pool, settlement
+    def __init__(self, gen: Any, pool: str, settlement: Settlement, idle_s: float) -> None:
+        self._gen, self.pool, self._s, self._idle_s = gen, pool, settlement, idle_s
         settlement.stream = self
 
     def cancel(self) -> None:
@@ -154,7 +154,7 @@ class PoolStream:
 
     async def first(self) -> Any:
         """The engine's first item; an input error the engine found is a 400."""
-        first = await self._gen.__anext__()
+        first = await self._next()
         self._s.mark("first")
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -186,9 +186,11 @@ class PoolStream:
     async def whole(self, first: Any) -> Any:
         """A whole response: the rest of the stream is only its `Finished`."""
         try:
-            async for item in self._gen:
+            while (item := await self._next(end=None)) is not None:
                 if isinstance(item, Finished):
                     self._s.usage = item.usage
+        except ApiError as e:
+            raise self._s.fail(e) from None
         except BaseException as e:
             if not from_pool(e):
                 self.cancel()
@@ -207,12 +209,16 @@ class PoolStream:
         try:
             if text := _text(first):
                 yield text
-            async for item in self._gen:
+            while (item := await self._next(end=None)) is not None:
                 if isinstance(item, Finished):
                     self._s.usage = item.usage
                 elif text := _text(item):
                     yield text
             finished = True
+            yield DONE
+        except ApiError as e:  # the pool went silent mid-stream
+            self._s.status, finished = e.status, True
+            yield sse_error(e.status, e.code, e.message)
             yield DONE
         except BaseException as e:
             if not from_pool(e):
@@ -228,6 +234,26 @@ class PoolStream:
                 self.cancel()
                 self._s.status = 499  # the client closed the connection
             self._s.close()
+
+
+    async def _next(self, end: Any = StopAsyncIteration) -> Any:
+        """The pool's next item once admitted (`end` when the stream ended, raised if it is an
+        exception class). A pool that sends nothing for `idle_s` (its engine hung, its replica
+        wedged) is a 504 and its call is cancelled: the client, its slot in the gate and its quota
+        slot were held for ever, as nothing else ends a call that a live replica keeps open."""
+        try:
+            return await within(self._idle_s, self._gen.__anext__())
+        except StopAsyncIteration:
+            if end is StopAsyncIteration:
+                raise
+            return end
+        except Overdue:
+            self.cancel()
+            log.warning("pool %s sent nothing for %gs after admitting a request; its call is cancelled",
+                        self.pool, self._idle_s)
+            raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle_s:g}s after "
+                                                "admitting the request (its engine may be stuck); retry it",
+                           retry_after_s=5) from None
 
 
 def from_pool(e: BaseException) -> bool:

@@ -37,7 +37,7 @@ def verdict(items, delay: float, reach_s: float, views=None):
         settlement.dispatch("p", False)
         stream = Slow(items, delay)
         try:
-            got = await PoolStream(stream, "p", settlement).verdict(router._loads, PriorityClass.STANDARD, reach_s)
+            got = await PoolStream(stream, "p", settlement, 600.0).verdict(router._loads, PriorityClass.STANDARD, reach_s)
         except ApiError as e:
             got = e
         never_ran = settlement.never_ran
@@ -98,7 +98,7 @@ def test_a_client_that_leaves_as_the_replica_answers_is_not_waited_for():
         settlement = router._settlement(router._s.tenants[1], await router._charge(router._s.tenants[1], 0), 0.0)
         settlement.dispatch("p", False)
         stream = LeftAsItArrives([Arrived("r"), Admitted("p", "r", 0.2)], 0.0)
-        pool = PoolStream(stream, "p", settlement)
+        pool = PoolStream(stream, "p", settlement, 600.0)
         stream.route = asyncio.current_task()
         with pytest.raises(asyncio.CancelledError):
             await pool.verdict(router._loads, PriorityClass.STANDARD, 5.0)
