@@ -154,7 +154,7 @@ class PoolStream:
 
     async def first(self) -> Any:
         """The engine's first item; an input error the engine found is a 400."""
-        first = await self._next()
+        first = await self._next(end=None)
         self._s.mark("first")
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -164,6 +164,10 @@ class PoolStream:
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)
+        if first is None or isinstance(first, Finished):  # no answer: a Finished was handed on as one, a 500
+            self._s.usage = getattr(first, "usage", None)
+            raise ApiError(502, "pool_failed", f"pool {self.pool!r} ended the request without an answer; retry it",
+                           retry_after_s=5)
         # a streamed request vLLM's serving refused comes as the error in its first chunk's place:
         # an error object from Ray LLM, or the SSE error event vLLM's stream generator sends for
         # what the engine raised as it took the request (a token id out of the vocabulary)

@@ -77,3 +77,23 @@ def test_a_slow_but_steady_pool_is_never_cut_off(stream):
     assert statuses == [200] and not pool.streams[0].cancelled
     if stream:
         assert r.text.count('"text":"hi"') == 30 and r.text.endswith("data: [DONE]\n\n")
+
+
+def _empty(finished: bool):
+    """Admitted, then no answer: only the `Finished` (the engine gave nothing), or not even that."""
+    async def script(call):
+        yield Admitted("p", "r1", 0.0)
+        if finished:
+            yield Finished(Usage(2, 0), 0.0, 0.0)
+    return script
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_pool_that_answers_nothing_is_a_502_booked_as_one(stream, finished):
+    # a whole request's `Finished` first was handed to the response as the answer: a 500 that the
+    # books had already closed as a 200
+    r, statuses, pool, router = _run(_empty(finished), stream, idle_s=5)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "pool_failed", r.text
+    assert statuses == [502]
+    assert router._loads.inflight("p") == 0 and router._quota._book.lease("a").slots_used == 0
