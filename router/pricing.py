@@ -8,8 +8,9 @@ pools' gates are charged this before any work starts; the real usage settles it 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 from pools.llm import PromptError, PromptTooLong, SamplingError, asked_tokens, request_models, sanitize_chat
 from pools.llm import vllm_client_errors
@@ -99,6 +100,8 @@ class Pricer:
                                                      "outside the engine's priority order; sample with 'n' instead",
                            "use_beam_search")
         model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "invalid_type", f"model must be a string: {self._model_id!r}", "model")
         if model is not None and model != self._model_id:
             raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
                                                    f"{self._model_id!r}", "model")
@@ -160,6 +163,9 @@ def _check_messages(data: dict) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, "invalid_request", f"messages[{i}].role is required: each message is an object "
                                                    "with a 'role' and its 'content'", f"messages[{i}].role")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):  # vLLM iterates it first
+            raise ApiError(400, "invalid_type", f"messages[{i}].tool_calls must be a list of tool calls",
+                           f"messages[{i}].tool_calls")
 
 
 def _one_prompt(prompt: Any) -> None:
@@ -181,16 +187,45 @@ def _model(kind: str, data: dict) -> Any:
     except Exception as e:  # noqa: BLE001 - the body is the only input, so any failure is the body's
         # vLLM's before-validators raise VLLMValidationError, or crash on a field of the wrong
         # type (AttributeError on `structured_outputs: 5`, say) before pydantic checks types.
+        if (param := getattr(e, "parameter", None)) is None and (found := _culprit(kind, data)) is not None:
+            param, e = found
         if isinstance(e, (ValueError, TypeError, *vllm_client_errors())):
-            raise ApiError(400, "invalid_request", f"invalid request: {e}", getattr(e, "parameter", None))
+            raise ApiError(400, "invalid_request", f"invalid request: {e}", param)
         raise ApiError(400, "invalid_request", f"invalid request ({type(e).__name__}: {e}); a field has the "
-                                               "wrong type: see the schema at /openapi.json")
+                                               "wrong type: see the schema at /openapi.json", param)
     if kind == "chat":
         try:
             body = sanitize_chat(body)
         except ValueError as e:
             raise ApiError(400, "invalid_request", str(e), "messages")
     return body
+
+
+def _culprit(kind: str, data: dict) -> tuple[str, Exception] | None:
+    """The first field whose value fails on its own, and its error: for a failure of the whole
+    body that named no field (one validation of each value, on the error path only)."""
+    from pydantic import ValidationError
+
+    fields = request_models()[0 if kind == "chat" else 1].model_fields
+    for name, value in data.items():
+        if name not in fields:  # the models ignore it (and the cache holds the models' names alone)
+            continue
+        try:
+            _field_type(kind, name).validate_python(value)
+        except ValidationError as e:
+            return name, ValueError(f"{name}: {_validation_message(e).removeprefix('invalid request: ')}")
+        except Exception as e:  # noqa: BLE001 - a validator of vLLM's that crashes on this value alone
+            return name, e
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _field_type(kind: str, name: str) -> Any:
+    """A validator of one field of vLLM's request model."""
+    from pydantic import TypeAdapter
+
+    field = request_models()[0 if kind == "chat" else 1].model_fields[name]
+    return TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
 
 
 def _validation_message(e) -> str:

@@ -19,7 +19,9 @@ def pricer() -> Pricer:
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"messages": MSG, "structured_outputs": 5}, None, "wrong type"),  # vLLM's before-validator crashed
+    ({"messages": MSG, "structured_outputs": 5}, "structured_outputs", "structured_outputs"),  # a crash of vLLM's
+    ({"messages": MSG, "structured_outputs": {"a": 5}}, "structured_outputs", "one kind"),  # an error naming none
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}, "messages[0].tool_calls", "list"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice", "tools"),  # VLLMValidationError
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role", "role is required"),
@@ -40,6 +42,30 @@ def test_bad_bodies_are_400_naming_the_problem(body, param, fragment):
     with pytest.raises(ApiError) as e:
         asyncio.run(pricer().price("chat", body))
     assert e.value.status == 400 and e.value.param == param and fragment in e.value.message
+
+
+WRONG = (5, -1, 1.5, True, "x", [5], {"a": 5}, [{"a": 5}])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_field_of_the_wrong_type_is_a_400_naming_that_field(kind):
+    """Every field of vLLM's request models, given each value of the wrong type: a 400 whose
+    `param` names that field. vLLM's before-validators crashed on some (an AttributeError, a
+    TypeError) or raised errors naming no field, which the 400 passed on without one."""
+    from pools.llm import request_models
+
+    model = request_models()[0 if kind == "chat" else 1]
+    base = {"messages": MSG} if kind == "chat" else {"prompt": "a b"}
+    unnamed = []
+    for name in model.model_fields:
+        for value in WRONG:
+            try:
+                asyncio.run(pricer().price(kind, {**base, name: value}))
+            except ApiError as e:
+                assert e.status == 400 or (name, e.status) == ("model", 404), (name, value, e.status, e.message)
+                if (e.param or "").split("[")[0].split(".")[0] != name:
+                    unnamed.append((name, value, e.param, e.message[:80]))
+    assert not unnamed, unnamed
 
 
 def test_beam_search_is_refused_on_completions_and_false_is_harmless():
