@@ -24,7 +24,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
-from infra.bounds import Overdue, within
+from infra.bounds import Idle, Overdue, within
 from pools.types import Admitted, Arrived, Finished, PriorityClass, Refused, Rejected, Usage
 from router.config import TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
@@ -95,6 +95,8 @@ class Settlement:
         if self.closed:
             return
         self.closed = True
+        if self.stream is not None:
+            self.stream.close()
         if self.pool is not None:
             self._loads.done(self.pool, self.tenant.name, self.borrowed)
         used = 0 if self.never_ran else (self.usage.total_tokens if self.usage else None)
@@ -114,11 +116,15 @@ class PoolStream:
     """One call's stream from a pool replica (a Serve response generator)."""
 
     def __init__(self, gen: Any, pool: str, settlement: Settlement, idle_s: float) -> None:
-        self._gen, self.pool, self._s, self._idle_s = gen, pool, settlement, idle_s
+        self._gen, self.pool, self._s, self._idle = gen, pool, settlement, Idle(idle_s)
+        self._finished = False  # its Finished came: silence after it is no failure
         settlement.stream = self
 
     def cancel(self) -> None:
         self._gen.cancel()
+
+    def close(self) -> None:
+        self._idle.close()
 
     async def verdict(self, loads: PoolLoads, cls: PriorityClass, reach_timeout_s: float) -> Admitted | Rejected:
         """The gate's verdict. Reaching a replica is bounded by `reach_timeout_s` (none took the
@@ -192,7 +198,7 @@ class PoolStream:
         try:
             while (item := await self._next(end=None)) is not None:
                 if isinstance(item, Finished):
-                    self._s.usage = item.usage
+                    self._s.usage, self._finished = item.usage, True
         except ApiError as e:
             raise self._s.fail(e) from None
         except BaseException as e:
@@ -215,7 +221,7 @@ class PoolStream:
                 yield text
             while (item := await self._next(end=None)) is not None:
                 if isinstance(item, Finished):
-                    self._s.usage = item.usage
+                    self._s.usage, self._finished = item.usage, True
                 elif text := _text(item):
                     yield text
             finished = True
@@ -244,20 +250,23 @@ class PoolStream:
         """The pool's next item once admitted (`end` when the stream ended, raised if it is an
         exception class). A pool that sends nothing for `idle_s` (its engine hung, its replica
         wedged) is a 504 and its call is cancelled: the client, its slot in the gate and its quota
-        slot were held for ever, as nothing else ends a call that a live replica keeps open."""
+        slot were held for ever, as nothing else ends a call that a live replica keeps open. A
+        whole answer is one item, so for it the bound is on the whole generation."""
         try:
-            return await within(self._idle_s, self._gen.__anext__())
+            return await self._idle.wait(self._gen.__anext__())
         except StopAsyncIteration:
             if end is StopAsyncIteration:
                 raise
             return end
         except Overdue:
             self.cancel()
+            if self._finished:  # the answer and its usage are whole: only the stream's end is missing
+                return end
             log.warning("pool %s sent nothing for %gs after admitting a request; its call is cancelled",
-                        self.pool, self._idle_s)
-            raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle_s:g}s after "
-                                                "admitting the request (its engine may be stuck); retry it",
-                           retry_after_s=5) from None
+                        self.pool, self._idle.seconds)
+            raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle.seconds:g}s "
+                                                "after admitting the request (its engine may be stuck); retry "
+                                                "it", retry_after_s=5) from None
 
 
 def from_pool(e: BaseException) -> bool:

@@ -84,17 +84,18 @@ class Controller:
         self.report = Remote(lambda stats: LimitsDirective(stats.gate.limits, stats.safe_range))
 
 
-async def make_ingress(max_queued: int = 3, start_seqs: int = 2) -> tuple[PoolIngress, TickEngine]:
+async def make_ingress(max_queued: int = 3, start_seqs: int = 2, engine: TickEngine | None = None,
+                       **router_config) -> tuple[PoolIngress, TickEngine]:
     settings = PoolSettings(
         name="p", start_seqs=start_seqs, safe_range=RANGE, ceilings=Ceilings(4, 100_000),
         queue=QueuePolicy(max_queued=max_queued, max_queued_tokens=100_000), report_interval_s=60,
         latency_window_s=10, stream_batching_ms=0,
         fingerprint_base={"model": "m", "dtype": "float32", "quantization": "none", "max_model_len": 64,
                           "max_num_seqs": 4, "max_num_batched_tokens": 64, "kv_cache_gb": 1.0}, warmup_requests=0)
-    router = RouterSettings("m", 64, RouterConfig(), TENANTS,
+    router = RouterSettings("m", 64, RouterConfig(**router_config), TENANTS,
                             (PoolRoute("p", "p", start_seqs, PriorityClass.STANDARD, queue_slots=max_queued,
                                        max_num_seqs=4),))
-    engine = TickEngine()
+    engine = engine or TickEngine()
     ingress = PoolIngress.__new__(PoolIngress)
     await ingress.__init__(settings=settings, router=router, prefix="p", peers={}, controller=Controller(),
                            ledger=LedgerService({t.name: Quota(**t.quota.model_dump()) for t in TENANTS}),
