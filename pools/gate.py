@@ -216,13 +216,13 @@ class AdmissionGate:
             self._counts["admitted"] += 1
             self._admissions.add(t.admitted_at)
             changes.admitted.append(t)
-        if t is not None and t.priority != PriorityClass.BORROWED:
+        # own work is back (it waits, or got in past borrowed work its overlap could hold out for ever)
+        if any(x.priority != PriorityClass.BORROWED for x in (*changes.admitted, *([t] if t else []))):
             changes.rejected += self._return_borrowed()
         return changes
 
     def _return_borrowed(self) -> list[Rejection]:
-        """Borrowed work queued here goes home: strict priority would keep it for as long as the
-        lender's own work waits for room."""
+        """Borrowed work queued here goes home: the lender's own work is back, and stays first."""
         lent = list(self._classes[PriorityClass.BORROWED].newest_first())
         for v in lent:
             self._remove_queued(v)

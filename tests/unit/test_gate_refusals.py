@@ -20,9 +20,9 @@ def test_only_the_pools_own_refusals_count_as_its_own():
     _, full = offer(gate, prio=P.BORROWED)
     s = gate.stats()
     assert [r.reason for r in full.rejected] == ["queue_full"] and (s.rejected, s.own_refused) == (1, 0)
-    offer(gate, prio=P.BATCH)  # runs beside the borrowed one
-    _, home = offer(gate, prio=P.BATCH)  # waits: the borrowed work waiting goes home, which is no refusal
-    assert [r.reason for r in home.rejected] == ["lender_busy", "lender_busy"]
+    _, home = offer(gate, prio=P.BATCH)  # runs beside the borrowed one: the borrowed work waiting goes home,
+    assert [r.reason for r in home.rejected] == ["lender_busy", "lender_busy"]  # which is no refusal
+    offer(gate, prio=P.BATCH)
     offer(gate, prio=P.BATCH)
     reasons = [r.reason for p in (P.INTERACTIVE, P.STANDARD, P.BATCH) for r in offer(gate, prio=p)[1].rejected]
     assert reasons == ["evicted", "evicted", "queue_full"]  # the two batch requests waiting, then a third
@@ -75,3 +75,16 @@ def test_tenants_queueing_the_same_for_their_weight_keep_their_places():
         offer(gate, "heavy")
     arrival, ch = offer(gate, "heavy")
     assert [(r.ticket, r.reason) for r in ch.rejected] == [(arrival, "queue_full")]
+
+
+def test_borrowed_work_waiting_goes_home_once_the_lenders_own_work_is_back():
+    """Own requests that overlap one at a time never wait, so the rule that sent borrowed work
+    home when own work waited never ran: a borrowed request of n = 2 that the running own one
+    kept from fitting waited at the lender for ever (1,000 s here), its home pool idle."""
+    gate, clock = make_gate(seqs=2, max_queued=8)
+    offer(gate, prio=P.BORROWED)  # runs: the lender is idle
+    changes = gate.offer(gate.new_ticket("a", 1.0, P.BORROWED, 10, seqs=2))  # waits for room
+    assert not changes.admitted and not changes.rejected
+    own, back = offer(gate, prio=P.INTERACTIVE)  # the lender's own work is back, and let in
+    assert back.admitted == [own] and [r.reason for r in back.rejected] == ["lender_busy"]
+    assert not any(gate.stats().queued_by_class.values())
