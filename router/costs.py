@@ -81,9 +81,9 @@ def _prompt_logprobs(kind: str, data: dict) -> None:
     """Each of `n` choices works out and returns the prompt's logprobs again (16 choices of a
     2,000-token prompt at 20 logprobs: seconds of the pool's event loop and 44 MB of answer)."""
     if kind == "chat":  # chat's top_logprobs defaults to 0: an echo alone asks for prompt logprobs
-        echoed = _true(data.get("echo")) and ("top_logprobs" not in data or data["top_logprobs"] is not None)
+        echoed = read_true(data.get("echo")) and ("top_logprobs" not in data or data["top_logprobs"] is not None)
     else:
-        echoed = _true(data.get("echo")) and data.get("logprobs") is not None
+        echoed = read_true(data.get("echo")) and data.get("logprobs") is not None
     n = _int(data.get("n"))
     if (data.get("prompt_logprobs") is not None or echoed) and n is not None and n > 1:
         field = "prompt_logprobs" if data.get("prompt_logprobs") is not None else "echo"
@@ -129,7 +129,7 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _true(value: Any) -> bool:
+def read_true(value: Any) -> bool:
     """Whether pydantic would read a value as true (any spelling it might accept counts)."""
     return bool(value) and not (isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off", "f", "n"))
 

@@ -166,6 +166,13 @@ def _check_messages(data: dict) -> None:
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):  # vLLM iterates it first
             raise ApiError(400, "invalid_type", f"messages[{i}].tool_calls must be a list of tool calls",
                            f"messages[{i}].tool_calls")
+    last = messages[-1].get("content")
+    if costs.read_true(data.get("echo")) and isinstance(last, list) and not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in last):
+        # vLLM joins the echoed parts' "text" only after generating the whole answer: a KeyError
+        # then reads as the engine's refusal, and the tenant got the work refunded
+        raise ApiError(400, "unsupported_value", "echo repeats the last message's text: its content parts must "
+                                                 "all be text", "echo")
 
 
 def _one_prompt(prompt: Any) -> None:

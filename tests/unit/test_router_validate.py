@@ -22,6 +22,9 @@ def pricer() -> Pricer:
     ({"messages": MSG, "structured_outputs": 5}, "structured_outputs", "structured_outputs"),  # a crash of vLLM's
     ({"messages": MSG, "structured_outputs": {"a": 5}}, "structured_outputs", "one kind"),  # an error naming none
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}, "messages[0].tool_calls", "list"),
+    # vLLM's echo of a non-text part raised KeyError after the whole answer was generated: refunded as a refusal
+    ({"messages": [{"role": "user", "content": [{"type": "tool_reference", "name": "x"}, {"type": "text", "text": "a"}]}],
+      "echo": True, "add_generation_prompt": False}, "echo", "text"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice", "tools"),  # VLLMValidationError
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role", "role is required"),
