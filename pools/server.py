@@ -237,8 +237,12 @@ class PoolServer:
             async for item in self._run(call, timer):
                 if isinstance(item, Usage):
                     usage = item
-                else:
+                    continue
+                if isinstance(item, Refused):  # before any work: counted cancelled however the caller reads
+                    usage = Usage(0, 0)  # on, and nothing of its estimate stays on the fair-share counter
                     yield item
+                    return
+                yield item
             tpot = timer.tpot(usage.completion_tokens) if usage else None
             ttft = None if timer.first is None else timer.first - arrived
             self._metrics.latency(call.tenant, call.priority, ttft, tpot)

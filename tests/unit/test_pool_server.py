@@ -226,15 +226,19 @@ def test_input_error_inside_the_engine_is_a_refusal_not_an_exception(stream):
         FakeEngine.release, FakeEngine.fail_with = None, KeyError("role")
         try:
             server = await make_server()
-            return await collect(server, call(stream=stream)), server._gate.gate.stats()
+            gate = server._gate.gate
+            return await collect(server, call(stream=stream)), gate.stats(), dict(gate._classes[PriorityClass.BATCH].counters)
         finally:
             FakeEngine.fail_with = None
 
-    items, stats = asyncio.run(go())
-    assert isinstance(items[0], Admitted)
+    items, stats, counters = asyncio.run(go())
+    assert isinstance(items[0], Admitted) and isinstance(items[-1], Refused)  # no Finished: it did not run
     refused = [x for x in items if isinstance(x, Refused)]
     assert len(refused) == 1 and "KeyError" in refused[0].message and "role" in refused[0].message
     assert stats.active == 0 and stats.inflight_tokens == 0  # the slot is free again
+    # counted as the in-process route counts it (it stops reading at the refusal), and nothing
+    # of its estimate stays on the tenant's fair-share counter (helper-96: all of it did)
+    assert (stats.completed, stats.cancelled) == (0, 1) and set(counters.values()) <= {0.0}
 
 
 def test_a_call_of_n_choices_needs_n_free_sequences():
