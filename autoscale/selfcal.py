@@ -101,6 +101,7 @@ class Calibrator:
         self._clock, self._sleep, self._seed = clock, sleep, seed
         self.running: str | None = None
         self._busy_at = 0.0  # when the pool being calibrated last had traffic of its own
+        self._sent_home = False  # a step's request came back lender_busy: own work came between reports
         self._not_before: dict[str, float] = {}  # pools that could not be measured: their next try
 
     async def step(self) -> None:
@@ -182,7 +183,7 @@ class Calibrator:
                 raise NotNow(f"no replica applied the step's limit within {WAIT_FOR_POOL_S:g} s")
             await self._sleep(0.2)
         lengths, results, samples, counters = self._lengths(name), [], [], _Counters()
-        start = self._clock()
+        start, self._sent_home = self._clock(), False
         workers = [asyncio.get_running_loop().create_task(self._worker(name, lengths, results, i))
                    for i in range(seqs * len(reports))]
         try:
@@ -206,7 +207,7 @@ class Calibrator:
             counters.add(timed)
             samples.append(_Sample(now, max((s.engine.kv_usage for s in reports), default=0.0),
                                    {s.replica: (s.time, s.engine.preemptions) for s in reports}, sum(s.gate.own_work for s in reports)))
-            if samples[-1].own_work:
+            if samples[-1].own_work or self._sent_home:
                 self._busy_at = now
                 raise Interrupted
             end = counters.end()
@@ -244,6 +245,8 @@ class Calibrator:
             async for item in gen:
                 if isinstance(item, Rejected):
                     res.status, res.error = item.status, item.reason
+                    if item.reason == "lender_busy":  # own work came between two reports: no error of
+                        res.status, self._sent_home = 0, True  # the step's, which is measured again
                     return
                 if isinstance(item, (Arrived, Admitted)):
                     continue

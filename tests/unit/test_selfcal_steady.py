@@ -48,3 +48,33 @@ def test_replicas_reporting_out_of_phase_add_up_and_one_that_joins_counts_from_i
     assert counters.rate(1.0, 5.0) is None  # r3 joined at 4.5
     assert counters.covered(1.0, 9.0) == (4.5, 5.0)  # a capped step's window: what all three cover
     assert counters.rate(4.5, 5.0) == pytest.approx(230)
+
+
+def test_a_step_whose_requests_the_pools_own_work_sent_home_is_measured_again():
+    """Own work that came and went between two reports sends the step's queued requests home
+    (`lender_busy`): counted as the step's errors, they made a step look past its knee."""
+    import tests.unit.test_selfcal as test_selfcal
+    from pools.types import Rejected
+    from tests.unit.test_selfcal import FakePool
+
+    class Interrupted(FakePool):
+        calls = 0
+
+        async def _stream(self, call):
+            Interrupted.calls += 1
+            if 40 <= Interrupted.calls < 60:  # during a step (the second)
+                yield Rejected(429, "lender_busy", "sent home", 1.0)
+                return
+            async for item in super()._stream(call):
+                yield item
+
+    store = ProfileStore(MemoryStore())
+    real = test_selfcal.FakePool
+    test_selfcal.FakePool = Interrupted
+    try:
+        c, _ = calibrate_itself(store, spec(sweep=(1, 4, 16, 64, 128)))
+    finally:
+        test_selfcal.FakePool = real
+    profile = store.get("p", Fingerprint(**FP))
+    assert Interrupted.calls >= 60 and all(r.errors == 0 for r in profile.rows), [r.errors for r in profile.rows]
+    assert c.status("p").safe_range == (1, 64)
