@@ -14,7 +14,7 @@ offline pool:
   "error": {"code", "message"} | null}, appended one whole line at a time; a partial last
   line left by a crash is cut off at the next start, so it never counts.
 * Resumable: a rerun with the same output skips the custom_ids already written.
-* 429, 502, 503 and 504 are retried after `Retry-After` (plus jitter), with exponential back-off
+* 429, 502 and 503 are retried after `Retry-After` (plus jitter), with exponential back-off
   when there is none, capped, up to `--max-attempts`; a 429 of the tenant's own quota
   (`*_quota_exceeded`) or of a live pool's back-pressure (`queue_full`, `evicted`,
   `pool_busy`) is waited out without counting, as it only paces the job (the batch's window
@@ -49,7 +49,8 @@ from urllib.parse import quote
 from infra.batchfile import BatchRequest, completed_ids, jsonl_lines, read_input, result_line
 from infra.wire import trust_env
 
-RETRY_STATUSES = {429, 502, 503, 504}  # 502, 504: a pool that answered nothing, or went silent
+RETRY_STATUSES = {429, 502, 503}  # 502: a pool that answered nothing. Not a 504: a whole answer that took
+# longer than the router's idle bound would run, and be charged, as often as it is retried
 # 429s that pace the job rather than fail its line: the tenant's own quota, and a live pool's
 # back-pressure (its queue full, a more important request's eviction, no replica free to pick
 # the request up); counted as attempts, they failed lines for good while the pool was busy

@@ -265,8 +265,9 @@ class PoolStream:
             log.warning("pool %s sent nothing for %gs after admitting a request; its call is cancelled",
                         self.pool, self._idle.seconds)
             raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle.seconds:g}s "
-                                                "after admitting the request (its engine may be stuck); retry "
-                                                "it", retry_after_s=5) from None
+                                                "after admitting the request: its engine may be stuck, or a "
+                                                "whole answer takes longer (stream it, or ask for fewer tokens)",
+                           retry_after_s=5) from None
 
 
 def from_pool(e: BaseException) -> bool:
