@@ -146,6 +146,9 @@ class Pricer:
         return asked
 
 
+ECHOED_TEXT = ("text", "input_text", "output_text", "refusal", "thinking")  # parts vLLM reads as text
+
+
 def _prompt_param(kind: str) -> str:
     return "messages" if kind == "chat" else "prompt"
 
@@ -166,13 +169,21 @@ def _check_messages(data: dict) -> None:
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):  # vLLM iterates it first
             raise ApiError(400, "invalid_type", f"messages[{i}].tool_calls must be a list of tool calls",
                            f"messages[{i}].tool_calls")
-    last = messages[-1].get("content")
-    if costs.read_true(data.get("echo")) and isinstance(last, list) and not all(
-            isinstance(p, dict) and isinstance(p.get("text"), str) for p in last):
-        # vLLM joins the echoed parts' "text" only after generating the whole answer: a KeyError
-        # then reads as the engine's refusal, and the tenant got the work refunded
+    _check_echo(data, messages[-1])
+
+
+def _check_echo(data: dict, last: dict) -> None:
+    """vLLM joins an echoed message's parts' text only after generating the whole answer: a part
+    of no text raised KeyError then, which read as the engine's refusal and refunded the work.
+    It echoes the last message when no generation prompt is added, or when it is the assistant's."""
+    content = last.get("content")
+    if not costs.read_true(data.get("echo")) or not isinstance(content, list):
+        return
+    if costs.read_true(data.get("add_generation_prompt", True)) and last.get("role") != "assistant":
+        return
+    if not all(isinstance(p, str) or (isinstance(p, dict) and p.get("type") in ECHOED_TEXT) for p in content):
         raise ApiError(400, "unsupported_value", "echo repeats the last message's text: its content parts must "
-                                                 "all be text", "echo")
+                                                 f"all be text ({', '.join(ECHOED_TEXT)})", "echo")
 
 
 def _one_prompt(prompt: Any) -> None:

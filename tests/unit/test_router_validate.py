@@ -25,6 +25,8 @@ def pricer() -> Pricer:
     # vLLM's echo of a non-text part raised KeyError after the whole answer was generated: refunded as a refusal
     ({"messages": [{"role": "user", "content": [{"type": "tool_reference", "name": "x"}, {"type": "text", "text": "a"}]}],
       "echo": True, "add_generation_prompt": False}, "echo", "text"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_reference", "name": "x", "text": "y"}]}],
+      "echo": True}, "echo", "text"),  # its "text" is dropped as vLLM reads the part
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice", "tools"),  # VLLMValidationError
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role", "role is required"),
@@ -69,6 +71,18 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_that_field(kind):
                 if (e.param or "").split("[")[0].split(".")[0] != name:
                     unnamed.append((name, value, e.param, e.message[:80]))
     assert not unnamed, unnamed
+
+
+@pytest.mark.parametrize("last", [
+    {"role": "user", "content": [{"type": "tool_reference", "name": "x"}]},  # not echoed: a prompt is added
+    {"role": "user", "content": ["a", {"type": "refusal", "refusal": "no"}, {"type": "thinking", "thinking": "t"},
+                                 {"type": "text", "text": None}, {"type": "input_text", "text": "b"}]},
+])
+def test_an_echo_vllm_can_make_is_not_refused(last):
+    for extra in ({}, {"add_generation_prompt": False}):
+        if extra and last["content"][0] != "a":
+            continue
+        asyncio.run(pricer().price("chat", {"messages": [last], "echo": True, **extra}))
 
 
 def test_beam_search_is_refused_on_completions_and_false_is_harmless():
