@@ -162,6 +162,8 @@ class GateModel:
             own_waits = any(self.tickets[i].priority != P.BORROWED for i in queued)
             borrowed_waits = [i for i in queued if self.tickets[i].priority == P.BORROWED]
             assert not (own_waits and borrowed_waits), f"borrowed {borrowed_waits} wait behind the pool's own work"
+            if any(t.priority != P.BORROWED for t in changes.admitted):  # own work is back: borrowed goes home
+                assert not borrowed_waits, f"borrowed {borrowed_waits} wait at a lender whose own work is back"
 
     def drain(self) -> None:
         for i in self.ids("queued"):
