@@ -24,6 +24,8 @@ class Overdue(TimeoutError):
 
 async def within(seconds: float, awaitable: Awaitable[T]) -> T:
     """`awaitable`'s result, or `Overdue` once `seconds` passed."""
+    task = asyncio.current_task()
+    cancelling = task.cancelling() if task is not None else 0
     try:
         async with asyncio.timeout(seconds) as bound:
             result = await awaitable
@@ -32,6 +34,8 @@ async def within(seconds: float, awaitable: Awaitable[T]) -> T:
             raise
         raise Overdue(seconds) from None
     if bound.expired():  # the work answered its cancellation with a value (vLLM's "Client disconnected")
+        if task is not None and task.cancelling() > cancelling:
+            raise asyncio.CancelledError  # the caller's own, swallowed with the bound's
         raise Overdue(seconds)
     return result
 
@@ -58,12 +62,15 @@ class Idle:
         cancelling = task.cancelling()
         try:
             result = await awaitable
-        except asyncio.CancelledError:
-            # ours alone, as asyncio.timeout tells: a cancellation of the task's own (its client
-            # left) that came with it stays a cancellation
-            if self._fired and task.uncancel() <= cancelling:
-                raise Overdue(self.seconds) from None
-            raise
+        except BaseException as e:
+            # after the bound fired, whatever the work made of its cancellation (raised it, or
+            # another error) is Overdue, unless the task's own cancellation (its client left) came
+            # with it, as asyncio.timeout tells
+            if not self._fired:
+                raise
+            if task.uncancel() > cancelling:
+                raise asyncio.CancelledError from (None if isinstance(e, asyncio.CancelledError) else e)
+            raise Overdue(self.seconds) from (None if isinstance(e, asyncio.CancelledError) else e)
         finally:
             self._since = None
         if self._fired:  # the work answered its cancellation with a value (vLLM's "Client disconnected")

@@ -139,3 +139,34 @@ def test_work_that_answers_its_cancellation_is_still_overdue(bound):
             await Idle(0.02).wait(_answers_its_cancellation())
     with pytest.raises(Overdue):
         asyncio.run(go())
+
+
+async def _raises_on_cancellation():
+    """A pool's generator that turns its cancellation into an error of its own."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        raise RuntimeError("request cancelled") from None
+
+
+def test_work_that_turns_its_cancellation_into_an_error_is_overdue_and_uncancelled():
+    async def go():
+        with pytest.raises(Overdue):
+            await Idle(0.02).wait(_raises_on_cancellation())
+        return asyncio.current_task().cancelling()
+    assert asyncio.run(go()) == 0, "the task stays marked cancelled: a later pool cancellation reads as the client's"
+
+
+def test_a_callers_cancellation_swallowed_with_the_bounds_is_still_a_cancellation():
+    async def swallows_both():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            asyncio.current_task().cancel()  # the client leaves in the turn the bound fired
+            return "Client disconnected"
+
+    async def go():
+        task = asyncio.create_task(within(0.02, swallows_both()))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(go())
