@@ -160,7 +160,7 @@ class PoolStream:
 
     async def first(self) -> Any:
         """The engine's first item; an input error the engine found is a 400."""
-        first = await self._next(end=None)
+        first = await self._next()
         self._s.mark("first")
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -196,7 +196,7 @@ class PoolStream:
     async def whole(self, first: Any) -> Any:
         """A whole response: the rest of the stream is only its `Finished`."""
         try:
-            while (item := await self._next(end=None)) is not None:
+            while (item := await self._next()) is not None:
                 if isinstance(item, Finished):
                     self._s.usage, self._finished = item.usage, True
         except ApiError as e:
@@ -219,7 +219,7 @@ class PoolStream:
         try:
             if text := _text(first):
                 yield text
-            while (item := await self._next(end=None)) is not None:
+            while (item := await self._next()) is not None:
                 if isinstance(item, Finished):
                     self._s.usage, self._finished = item.usage, True
                 elif text := _text(item):
@@ -245,23 +245,20 @@ class PoolStream:
                 self._s.status = 499  # the client closed the connection
             self._s.close()
 
-
-    async def _next(self, end: Any = StopAsyncIteration) -> Any:
-        """The pool's next item once admitted (`end` when the stream ended, raised if it is an
-        exception class). A pool that sends nothing for `idle_s` (its engine hung, its replica
-        wedged) is a 504 and its call is cancelled: the client, its slot in the gate and its quota
-        slot were held for ever, as nothing else ends a call that a live replica keeps open. A
-        whole answer is one item, so for it the bound is on the whole generation."""
+    async def _next(self) -> Any:
+        """The pool's next item once admitted, None when the stream ended. A pool that sends
+        nothing for `idle_s` (its engine hung, its replica wedged) is a 504 and its call is
+        cancelled: the client, its slot in the gate and its quota slot were held for ever, as
+        nothing else ends a call that a live replica keeps open. A whole answer is one item, so
+        for it the bound is on the whole generation."""
         try:
             return await self._idle.wait(self._gen.__anext__())
         except StopAsyncIteration:
-            if end is StopAsyncIteration:
-                raise
-            return end
+            return None
         except Overdue:
             self.cancel()
             if self._finished:  # the answer and its usage are whole: only the stream's end is missing
-                return end
+                return None
             log.warning("pool %s sent nothing for %gs after admitting a request; its call is cancelled",
                         self.pool, self._idle.seconds)
             raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle.seconds:g}s "
