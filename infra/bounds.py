@@ -3,7 +3,9 @@
 Python 3.11's `asyncio.wait_for` returns a result that completes in the same loop turn as its
 caller's cancellation, and drops the cancellation: a route went on for a client that had left.
 `asyncio.timeout` keeps the cancellation, but its TimeoutError is also what an awaited call
-raises of its own (an OSError of ETIMEDOUT is one); `Overdue` is this bound's alone.
+raises of its own (an OSError of ETIMEDOUT is one), and it hands back the value that work which
+swallows its cancellation answers with (vLLM's whole answers: "Client disconnected") as if in
+time. `Overdue` is this bound's alone, whatever the work made of its cancellation.
 """
 
 from __future__ import annotations
@@ -23,28 +25,19 @@ class Overdue(TimeoutError):
 
 
 async def within(seconds: float, awaitable: Awaitable[T]) -> T:
-    """`awaitable`'s result, or `Overdue` once `seconds` passed."""
-    task = asyncio.current_task()
-    cancelling = task.cancelling() if task is not None else 0
+    """`awaitable`'s result, or `Overdue` once `seconds` passed: one wait of an `Idle` bound."""
+    bound = Idle(seconds)
     try:
-        async with asyncio.timeout(seconds) as bound:
-            result = await awaitable
-    except TimeoutError:
-        if not bound.expired():
-            raise
-        raise Overdue(seconds) from None
-    if bound.expired():  # the work answered its cancellation with a value (vLLM's "Client disconnected")
-        if task is not None and task.cancelling() > cancelling:
-            raise asyncio.CancelledError  # the caller's own, swallowed with the bound's
-        raise Overdue(seconds)
-    return result
+        return await bound.wait(awaitable)
+    finally:
+        bound.close()
 
 
 class Idle:
-    """A bound on each of a task's waits in a loop (a stream's next item), as `within` on each
-    would be, with one timer: `within` adds and cancels a timer per wait, which cost a relayed
-    stream about 7 µs a chunk; this one is re-armed only when it finds the wait it ends younger
-    than the bound. `close()` it when the loop ends (a pending timer keeps it alive)."""
+    """A bound on each of a task's waits in a loop (a stream's next item) with one timer, re-armed
+    only when it finds the wait it would end younger than the bound: a timer per wait
+    (`asyncio.timeout`) cost a relayed stream about 7 µs a chunk. `close()` it when the loop
+    ends (a pending timer keeps it alive)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -81,7 +74,7 @@ class Idle:
 
     def _due(self) -> None:
         self._timer = None
-        if self._since is None or self._task is None:  # between waits: the next one arms it
+        if self._since is None:  # between waits: the next one arms it
             return
         loop = asyncio.get_running_loop()
         if (due := self._since + self.seconds) > loop.time():
