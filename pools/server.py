@@ -4,8 +4,8 @@ The router calls `generate(PoolCall)` through a Serve handle; the reply is a str
 
     [Arrived]                  # first, only when the call has to queue in the gate
     Admitted | Rejected        # a slot was granted (at once or after queueing), or refused
-    Refused | <engine items>   # the engine refused the input, or its output: lists of
-                               # OpenAI SSE strings, or one whole response
+    Refused | <engine items>   # the engine refused the input (the last item then), or its
+                               # output: lists of OpenAI SSE strings, or one whole response
     Finished(usage, ttft, e2e) # last: the real usage for quota reconciliation
 
 The slot is held for the whole stream and released on completion, error or
@@ -238,11 +238,10 @@ class PoolServer:
                 if isinstance(item, Usage):
                     usage = item
                     continue
+                yield item
                 if isinstance(item, Refused):  # before any work: counted cancelled however the caller reads
                     usage = Usage(0, 0)  # on, and nothing of its estimate stays on the fair-share counter
-                    yield item
                     return
-                yield item
             tpot = timer.tpot(usage.completion_tokens) if usage else None
             ttft = None if timer.first is None else timer.first - arrived
             self._metrics.latency(call.tenant, call.priority, ttft, tpot)

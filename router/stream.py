@@ -4,8 +4,8 @@ A pool replica's `generate(PoolCall)` streams:
 
     [Arrived]                  first, only when the call has to queue at the gate
     Admitted | Rejected        a slot was granted, or refused (the last item then)
-    Refused | engine items     the engine refused the input, or its output: SSE text in
-                               lists (a stream) or one whole response
+    Refused | engine items     the engine refused the input (the last item then), or its
+                               output: SSE text in lists (a stream) or one whole response
     Finished(usage)            last: the real usage, which settles the quota charge
 
 `Settlement` holds one request's books (its quota charge, its place in the pool load
@@ -159,7 +159,8 @@ class PoolStream:
                                                  "may be restarting", retry_after_s=10)
 
     async def first(self) -> Any:
-        """The engine's first item; an input error the engine found is a 400."""
+        """The engine's first item: an input error the engine found is a 400, no answer a 502, a
+        pool silent for the idle bound a 504."""
         first = await self._next()
         self._s.mark("first")
         task = asyncio.current_task()
@@ -263,8 +264,8 @@ class PoolStream:
                         self.pool, self._idle.seconds)
             raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle.seconds:g}s "
                                                 "after admitting the request: its engine may be stuck, or a "
-                                                "whole answer takes longer (stream it, or ask for fewer tokens)",
-                           retry_after_s=5) from None
+                                                "whole answer takes longer (stream it, or ask for fewer tokens)") \
+                from None
 
 
 def from_pool(e: BaseException) -> bool:

@@ -65,6 +65,7 @@ def test_a_pool_silent_after_admitting_fails_the_request_visibly_and_frees_its_s
         assert r.status_code == 200 and '"pool_timeout"' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
     else:
         assert r.status_code == 504 and r.json()["error"]["code"] == "pool_timeout", r.text
+        assert "retry-after" not in r.headers, "a whole answer past the bound would run and be charged again"
         assert "idle" not in r.json()["error"]["message"] and "0.2s" in r.json()["error"]["message"]
     assert statuses == [504] and router.settled == [None], "the engine may have worked: the charge stands"
     assert pool.streams[0].cancelled, "the pool's call was left running, holding its slot in the gate"
@@ -114,7 +115,7 @@ def test_a_pool_that_answers_nothing_is_a_502_booked_as_one(stream, finished):
     # a whole request's `Finished` first was handed to the response as the answer: a 500 that the
     # books had already closed as a 200
     r, statuses, pool, router = _run(_empty(finished), stream, idle_s=5)
-    assert r.status_code == 502 and r.json()["error"]["code"] == "pool_failed", r.text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "pool_failed" and r.headers["retry-after"] == "5", r.text
     assert statuses == [502] and router.settled == [2 if finished else None]
     assert router._loads.inflight("p") == 0 and router._quota._book.lease("a").slots_used == 0
 
