@@ -101,7 +101,7 @@ class Pricer:
                            "use_beam_search")
         model = data.get("model")
         if model is not None and not isinstance(model, str):
-            raise ApiError(400, "invalid_type", f"model must be a string: {self._model_id!r}", "model")
+            raise ApiError(400, "invalid_type", f"model must be a string, such as {self._model_id!r}", "model")
         if model is not None and model != self._model_id:
             raise ApiError(404, "model_not_found", f"unknown model {model!r}; this service serves "
                                                    f"{self._model_id!r}", "model")
@@ -195,9 +195,8 @@ def _one_prompt(prompt: Any) -> None:
 def _model(kind: str, data: dict) -> Any:
     from pydantic import ValidationError
 
-    chat_cls, completion_cls = request_models()
     try:
-        body = (chat_cls if kind == "chat" else completion_cls).model_validate(data)
+        body = _model_of(kind).model_validate(data)
     except ValidationError as e:
         raise ApiError(400, "invalid_request", _validation_message(e), _first_param(e))
     except RecursionError:
@@ -219,19 +218,23 @@ def _model(kind: str, data: dict) -> Any:
     return body
 
 
+def _model_of(kind: str) -> Any:
+    return request_models()[0 if kind == "chat" else 1]
+
+
 def _culprit(kind: str, data: dict) -> tuple[str, Exception] | None:
     """The first field whose value fails on its own, and its error: for a failure of the whole
     body that named no field (one validation of each value, on the error path only)."""
     from pydantic import ValidationError
 
-    fields = request_models()[0 if kind == "chat" else 1].model_fields
+    fields = _model_of(kind).model_fields
     for name, value in data.items():
         if name not in fields:  # the models ignore it (and the cache holds the models' names alone)
             continue
         try:
             _field_type(kind, name).validate_python(value)
         except ValidationError as e:
-            return name, ValueError(f"{name}: {_validation_message(e).removeprefix('invalid request: ')}")
+            return name, ValueError(_validation_message(e, name).removeprefix("invalid request: "))
         except Exception as e:  # noqa: BLE001 - a validator of vLLM's that crashes on this value alone
             return name, e
     return None
@@ -242,15 +245,16 @@ def _field_type(kind: str, name: str) -> Any:
     """A validator of one field of vLLM's request model."""
     from pydantic import TypeAdapter
 
-    field = request_models()[0 if kind == "chat" else 1].model_fields[name]
+    field = _model_of(kind).model_fields[name]
     return TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
 
 
-def _validation_message(e) -> str:
+def _validation_message(e, field: str | None = None) -> str:
+    """pydantic's first errors at their places (inside `field`, for its value validated alone)."""
     parts = []
     for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+        loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith("function-")]
+        parts.append(f"{'.'.join(([field] if field else []) + loc) or 'body'}: {err.get('msg')}")
     more = len(e.errors()) - 5
     return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
