@@ -106,7 +106,6 @@ class QuotaClient:
     back at the next sync)."""
 
     MAX_REFILLS = 8  # per charge: requests charging from the lease meanwhile may spend a refill
-    USAGE_FRESH_S = 1.0
 
     def __init__(self, ledger: Any, quotas: dict[str, Quota], lease_fraction: float,
                  clock: Callable[[], float] = time.monotonic, call_timeout_s: float = 10.0) -> None:
@@ -118,7 +117,7 @@ class QuotaClient:
         self._holder = uuid.uuid4().hex[:12]
         self._locks = {t: asyncio.Lock() for t in quotas}
         self._clock = clock
-        self._usage: dict[str, tuple[float, asyncio.Future]] = {}  # tenant -> (asked at, the ledger's answer)
+        self._usage: dict[str, asyncio.Future] = {}  # tenant -> the ledger's answer to the last call
 
     async def charge(self, tenant: str, tokens: int, new_request: bool = True) -> Charge:
         """Charge a request (a request and a slot, when `new_request`) and `tokens`; raise
@@ -188,14 +187,14 @@ class QuotaClient:
 
     async def usage(self, tenant: str) -> dict[str, float]:
         """The ledger's figures for `tenant`: one call at a time per tenant, its answer shared by
-        the callers of the next `USAGE_FRESH_S`. `/v1/usage` is charged nothing, and a call per
-        request let one tenant's polling load the ledger that every tenant's grants go through."""
-        at, asked = self._usage.get(tenant, (None, None))
-        if asked is None or (asked.done() and (asked.cancelled() or asked.exception() is not None
-                                               or self._clock() - at >= self.USAGE_FRESH_S)):
+        the callers that came while it was out. `/v1/usage` is charged nothing, and a call per
+        request let one tenant's concurrent polls load the ledger that every tenant's grants go
+        through. A caller after the answer asks again: figures never older than its request."""
+        asked = self._usage.get(tenant)
+        if asked is None or asked.done():
             asked = asyncio.ensure_future(self._remote("usage", tenant))
             asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, whoever left
-            self._usage[tenant] = (self._clock(), asked)
+            self._usage[tenant] = asked
         try:
             out = dict(await asyncio.shield(asked))
         except Exception as e:  # the ledger away: a 503 to the caller, not a 500

@@ -24,24 +24,19 @@ class Counting(LedgerService):
         return await super().usage(tenant)
 
 
-def test_a_tenant_polling_usage_asks_the_ledger_once_per_freshness_window():
+def test_concurrent_polls_of_usage_share_one_ledger_call_and_later_ones_ask_again():
     async def go():
         quotas = {"t": Quota(tokens_per_min=1000), "u": Quota(tokens_per_min=1000)}
-        now = [0.0]
         ledger = Counting(quotas)
-        client = QuotaClient(ledger, quotas, 0.1, clock=lambda: now[0])
+        client = QuotaClient(ledger, quotas, 0.1)
         answers = await asyncio.gather(*(client.usage("t") for _ in range(200)))
         first = ledger.calls
-        now[0] += 0.5
-        await client.usage("t")  # still fresh
-        fresh = ledger.calls
-        now[0] += 0.6
-        await client.usage("t")  # older than USAGE_FRESH_S: asked again
+        await client.usage("t")  # after the answer: figures as of its own request
         await client.usage("u")  # another tenant's figures are its own
-        return answers, first, fresh, ledger.calls
+        return answers, first, ledger.calls
 
-    answers, first, fresh, total = asyncio.run(go())
-    assert (first, fresh, total) == (1, 1, 3)
+    answers, first, total = asyncio.run(go())
+    assert (first, total) == (1, 3)
     assert all(a["held_by_this_router"] == answers[0]["held_by_this_router"] for a in answers)
     answers[0]["x"] = 1
     assert "x" not in answers[1], "callers share the ledger's answer, not one dictionary"
@@ -51,7 +46,7 @@ def test_a_failed_usage_call_is_not_kept():
     async def go():
         quotas = {"t": Quota(tokens_per_min=1000)}
         ledger = Counting(quotas, fail=True)
-        client = QuotaClient(ledger, quotas, 0.1, clock=lambda: 0.0)
+        client = QuotaClient(ledger, quotas, 0.1)
         with pytest.raises(QuotaUnavailable):
             await client.usage("t")
         ledger.fail = False
@@ -64,7 +59,7 @@ def test_a_failed_usage_call_is_not_kept():
 def test_a_caller_that_leaves_does_not_cancel_the_others_answer():
     async def go():
         quotas = {"t": Quota(tokens_per_min=1000)}
-        client = QuotaClient(Counting(quotas), quotas, 0.1, clock=lambda: 0.0)
+        client = QuotaClient(Counting(quotas), quotas, 0.1)
         leaving = asyncio.create_task(client.usage("t"))
         staying = asyncio.create_task(client.usage("t"))
         await asyncio.sleep(0)
