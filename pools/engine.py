@@ -3,12 +3,12 @@
 `Engine` is the small protocol `PoolServer` uses. The real one (`pools.llm.RayLLMEngine`)
 runs vLLM through ray.serve.llm; unit tests pass a deterministic fake. An engine streams
 one call's output as *engine items*: for a streamed request, SSE text chunks; for a whole
-one, the response object. It keeps a `StatsBox` that vLLM's stat logger writes.
+one, the response object (`pools.streams`: a whole answer that failed after the engine's
+output for it raises `EngineFailed`). It keeps a `StatsBox` that vLLM's stat logger writes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import functools
 import hashlib
@@ -282,46 +282,3 @@ def _detected_hardware() -> str:
     except OSError:
         pass
     return f"cpu:{platform.machine()}:{model}:{usable_cores()}cores"
-
-
-async def batched(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list[Any]]:
-    """Stream items in lists: the first at once (it decides the time to first token), then
-    whatever arrived in each `interval_s` (fewer, larger messages between replicas)."""
-    if interval_s <= 0:
-        async for item in items:
-            yield [item]
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                queue.put_nowait(item)
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
-            queue.put_nowait(e)
-        queue.put_nowait(end)
-
-    reader = asyncio.get_running_loop().create_task(pump())
-    try:
-        first = True
-        while True:
-            batch = [await queue.get()]
-            if not first:
-                await asyncio.sleep(interval_s)
-            first = False
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            done = batch[-1] is end
-            batch = [x for x in batch if x is not end]
-            failed = next((i for i, x in enumerate(batch) if isinstance(x, BaseException)), None)
-            if failed is not None:
-                if failed:
-                    yield batch[:failed]
-                raise batch[failed]
-            if batch:
-                yield batch
-            if done:
-                return
-    finally:
-        reader.cancel()

@@ -8,6 +8,7 @@ code and its tests never load them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, NamedTuple
@@ -41,6 +42,13 @@ def vllm_client_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return ()
     return (VLLMClientError,)
+
+
+@functools.cache
+def engine_refusals() -> tuple[type[BaseException], ...]:
+    """What vLLM's serving layer raises for an input it cannot take (it renders the chat
+    template only once the request is admitted): before the engine's output, a refusal."""
+    return (KeyError, TypeError, ValueError, *vllm_client_errors())
 
 
 class PromptError(ValueError):
@@ -185,6 +193,7 @@ class RayLLMEngine:
 
     async def start(self) -> None:
         from pools.engine import drop_engine_overrides
+        from pools.streams import mark_output
 
         if dropped := drop_engine_overrides():
             log.warning("ignoring %s from the environment: the pool's engine settings size the engine", dropped)
@@ -192,6 +201,12 @@ class RayLLMEngine:
         if not needs_node_download(self._llm_config):
             self._llm_config.get_or_create_callback().ctx.run_init_node = False
         await within(self.START_TIMEOUT_S, self._engine.start())
+        client = self._engine._engine_client
+        mark_output(client)
+        if any(getattr(s, "engine_client", client) is not client
+               for s in (self._engine._oai_serving_chat, self._engine._oai_serving_completion)):
+            log.warning("the engine's serving layers generate through another client: a whole answer that fails "
+                        "after its generation reads as the input's refusal, and its charge is refunded")
         if (handover := _Handover.install(self._engine)) is None:
             log.warning("the engine's serving layers have no one renderer to stand in for: every prompt is "
                         "rendered twice, by the route and by the engine")
@@ -217,7 +232,7 @@ class RayLLMEngine:
         """The engine's stream for a call; a call the route rendered in this process runs the
         request its renderer left, and the engine's serving layer takes the rendering instead
         of rendering the prompt a second time."""
-        from pools.engine import batched
+        from pools.streams import batched, whole_answer
 
         rendering = call.rendered
         if rendering is not None and not (self._handover is not None and rendering.text_only):
@@ -228,7 +243,7 @@ class RayLLMEngine:
             stream = getattr(self._engine, call.kind)(body, None)
         else:
             stream = self._handed(call.kind, body, rendering.result)
-        return batched(stream, self._interval_s) if getattr(body, "stream", False) else stream
+        return batched(stream, self._interval_s) if getattr(body, "stream", False) else whole_answer(stream, engine_refusals())
 
     async def _handed(self, kind: str, body: Any, result: Any):
         with self._handover.holding(body, result):

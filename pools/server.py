@@ -6,6 +6,7 @@ The router calls `generate(PoolCall)` through a Serve handle; the reply is a str
     Admitted | Rejected        # a slot was granted (at once or after queueing), or refused
     Refused | <engine items>   # the engine refused the input (the last item then), or its
                                # output: lists of OpenAI SSE strings, or one whole response
+    | Failed                   # or a whole answer failed after the engine's work (the last item)
     Finished(usage, ttft, e2e) # last: the real usage for quota reconciliation
 
 The slot is held for the whole stream and released on completion, error or
@@ -42,9 +43,10 @@ from pools.control import Describe, LimitsDirective, NiceJson, ReplicaStats
 from pools.engine import Engine, hardware_name, pool_dtype, read_hf_config
 from pools.gate import AdmissionGate, Ceilings, QueuePolicy
 from pools.kv_budget import DTYPE_BYTES, checkpoint_dtype, runs_at
-from pools.llm import vllm_client_errors
-from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Finished, LatencySample, PoolCall, Refused,
-                         Rejected, SafeRange, Usage)
+from pools.llm import engine_refusals
+from pools.streams import EngineFailed
+from pools.types import (Admitted, Arrived, BatchLimits, EngineStats, Failed, Finished, LatencySample, PoolCall,
+                         Refused, Rejected, SafeRange, Usage)
 
 log = logging.getLogger("poolserve.pool")
 
@@ -139,13 +141,17 @@ def own_dtype(llm_config: Any, settings: PoolSettings) -> dict[str, Any]:
 async def _refusing(stream: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
     """The engine's stream, where an input error raised before any output (vLLM renders the
     chat template only once the request is admitted) becomes a `Refused` item instead of an
-    exception, so the caller gets a 400 that names the problem rather than a 5xx."""
+    exception, so the caller gets a 400 that names the problem rather than a 5xx; a whole
+    answer that failed after the engine's output for it is a `Failed` item, a 500 charged."""
     started = False
     try:
         async for item in stream:
             started = True
             yield item
-    except (KeyError, TypeError, ValueError, *vllm_client_errors()) as e:
+    except EngineFailed as e:
+        log.warning("engine failed after generating a whole answer: %s", e, exc_info=True)
+        yield Failed("engine_failed", f"the engine failed after generating the answer: {e}", e.usage)
+    except engine_refusals() as e:
         if started:
             raise
         log.info("engine refused a request: %r", e)
@@ -242,6 +248,8 @@ class PoolServer:
                 if isinstance(item, Refused):  # before any work: counted cancelled however the caller reads
                     usage = Usage(0, 0)  # on, and nothing of its estimate stays on the fair-share counter
                     return
+                if isinstance(item, Failed):  # after the work: settled at its usage, split off before it
+                    return
             tpot = timer.tpot(usage.completion_tokens) if usage else None
             ttft = None if timer.first is None else timer.first - arrived
             self._metrics.latency(call.tenant, call.priority, ttft, tpot)
@@ -264,8 +272,9 @@ class PoolServer:
                 and (share is None or gate.borrowed_work() + call.n <= share))
 
     async def _run(self, call: PoolCall, timer: _StreamTimer) -> AsyncGenerator[Any, None]:
-        """The engine's output for one call: the usage split off (a `Usage` item) and, for a
-        stream, the chunks timed and the usage chunk dropped unless the client asked for it."""
+        """The engine's output for one call: the usage split off (a `Usage` item, before a whole
+        response or a `Failed` that carries one) and, for a stream, the chunks timed and the
+        usage chunk dropped unless the client asked for it."""
         stream = _refusing(self._engine.generate(call))
         if not getattr(call.body, "stream", False):
             async for response in stream:

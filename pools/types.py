@@ -176,6 +176,16 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """The engine failed on an admitted whole answer after generating it: the router answers
+    500 with this message, and charges the usage (the whole charge stands when it is None)."""
+
+    code: str
+    message: str
+    usage: "Usage | None" = None
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int

@@ -174,8 +174,9 @@ def _check_messages(data: dict) -> None:
 
 def _check_echo(data: dict, last: dict) -> None:
     """vLLM joins an echoed message's parts' text only after generating the whole answer: a part
-    of no text raised KeyError then, which read as the engine's refusal and refunded the work.
-    It echoes the last message when no generation prompt is added, or when it is the assistant's."""
+    of no text raises KeyError then (where the model's chat template takes parts as a list), a
+    500 `engine_failed` charged for that work; refused here, it is a 400 before any. vLLM
+    echoes the last message when no generation prompt is added, or when it is the assistant's."""
     content = last.get("content")
     if not costs.read_true(data.get("echo")) or not isinstance(content, list):
         return

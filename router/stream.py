@@ -6,6 +6,7 @@ A pool replica's `generate(PoolCall)` streams:
     Admitted | Rejected        a slot was granted, or refused (the last item then)
     Refused | engine items     the engine refused the input (the last item then), or its
                                output: SSE text in lists (a stream) or one whole response
+    | Failed                   or a whole answer failed after the engine's work (the last item)
     Finished(usage)            last: the real usage, which settles the quota charge
 
 `Settlement` holds one request's books (its quota charge, its place in the pool load
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
 from infra.bounds import Idle, Overdue, within
-from pools.types import Admitted, Arrived, Finished, PriorityClass, Refused, Rejected, Usage
+from pools.types import Admitted, Arrived, Failed, Finished, PriorityClass, Refused, Rejected, Usage
 from router.config import TenantConfig
 from router.errors import ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient
@@ -159,8 +160,9 @@ class PoolStream:
                                                  "may be restarting", retry_after_s=10)
 
     async def first(self) -> Any:
-        """The engine's first item: an input error the engine found is a 400, no answer a 502, a
-        pool silent for the idle bound a 504."""
+        """The engine's first item: an input error the engine found is a 400, a whole answer
+        that failed after the engine's work a 500, no answer a 502, a pool silent for the idle
+        bound a 504."""
         first = await self._next()
         self._s.mark("first")
         task = asyncio.current_task()
@@ -171,6 +173,9 @@ class PoolStream:
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)
+        if isinstance(first, Failed):  # the engine's work is charged; the same request would fail again
+            self._s.usage = first.usage
+            raise ApiError(500, first.code, first.message)
         if first is None or isinstance(first, Finished):  # no answer: a Finished was handed on as one, a 500
             self._s.usage = getattr(first, "usage", None)
             raise ApiError(502, "pool_failed", f"pool {self.pool!r} ended the request without an answer; retry it",
