@@ -177,7 +177,6 @@ class PoolStream:
             self._s.usage = first.usage
             raise ApiError(500, first.code, first.message)
         if first is None or isinstance(first, Finished):  # no answer: a Finished was handed on as one, a 500
-            self._s.usage = getattr(first, "usage", None)
             raise ApiError(502, "pool_failed", f"pool {self.pool!r} ended the request without an answer; retry it",
                            retry_after_s=5)
         # a streamed request vLLM's serving refused comes as the error in its first chunk's place:
@@ -202,9 +201,8 @@ class PoolStream:
     async def whole(self, first: Any) -> Any:
         """A whole response: the rest of the stream is only its `Finished`."""
         try:
-            while (item := await self._next()) is not None:
-                if isinstance(item, Finished):
-                    self._s.usage, self._finished = item.usage, True
+            while await self._next() is not None:
+                pass
         except ApiError as e:
             raise self._s.fail(e) from None
         except BaseException as e:
@@ -226,9 +224,7 @@ class PoolStream:
             if text := _text(first):
                 yield text
             while (item := await self._next()) is not None:
-                if isinstance(item, Finished):
-                    self._s.usage, self._finished = item.usage, True
-                elif text := _text(item):
+                if not isinstance(item, Finished) and (text := _text(item)):
                     yield text
             finished = True
             yield DONE
@@ -258,7 +254,7 @@ class PoolStream:
         nothing else ends a call that a live replica keeps open. A whole answer is one item, so
         for it the bound is on the whole generation."""
         try:
-            return await self._idle.wait(self._gen.__anext__())
+            item = await self._idle.wait(self._gen.__anext__())
         except StopAsyncIteration:
             return None
         except Overdue:
@@ -271,6 +267,9 @@ class PoolStream:
                                                 "after admitting the request: its engine may be stuck, or a "
                                                 "whole answer takes longer (stream it, or ask for fewer tokens)") \
                 from None
+        if isinstance(item, Finished):  # the real usage settles the charge, whatever the request did
+            self._s.usage, self._finished = item.usage, True
+        return item
 
 
 def from_pool(e: BaseException) -> bool:
