@@ -46,8 +46,7 @@ def vllm_client_errors() -> tuple[type[BaseException], ...]:
 
 @functools.cache
 def engine_refusals() -> tuple[type[BaseException], ...]:
-    """What vLLM's serving layer raises for an input it cannot take (it renders the chat
-    template only once the request is admitted): before the engine's output, a refusal."""
+    """What vLLM's serving layer raises for an input it cannot take: a refusal, before any output."""
     return (KeyError, TypeError, ValueError, *vllm_client_errors())
 
 
@@ -201,8 +200,7 @@ class RayLLMEngine:
         if not needs_node_download(self._llm_config):
             self._llm_config.get_or_create_callback().ctx.run_init_node = False
         await within(self.START_TIMEOUT_S, self._engine.start())
-        client = self._engine._engine_client
-        mark_output(client)
+        mark_output(client := self._engine._engine_client)
         if any(getattr(s, "engine_client", client) is not client
                for s in (self._engine._oai_serving_chat, self._engine._oai_serving_completion)):
             log.warning("the engine's serving layers generate through another client: a whole answer that fails "
@@ -243,7 +241,9 @@ class RayLLMEngine:
             stream = getattr(self._engine, call.kind)(body, None)
         else:
             stream = self._handed(call.kind, body, rendering.result)
-        return batched(stream, self._interval_s) if getattr(body, "stream", False) else whole_answer(stream, engine_refusals())
+        if getattr(body, "stream", False):
+            return batched(stream, self._interval_s)
+        return whole_answer(stream, engine_refusals())
 
     async def _handed(self, kind: str, body: Any, result: Any):
         with self._handover.holding(body, result):

@@ -5,7 +5,9 @@
 
 Statuses (DESIGN §4): 400 bad input, 401 unknown key, 403 pool not allowed, 404 unknown
 model / pool / path, 405 wrong method, 413 body too large, 429 quota or queue full
-(with Retry-After), 503 pool unavailable (with Retry-After). User input never makes a 500.
+(with Retry-After), 502 a pool that answered nothing and 503 pool unavailable (with
+Retry-After), 504 a pool silent past the idle bound. The router's reading of an input never
+makes a 500; a 500 `engine_failed` is the engine failing on a whole answer it generated.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+NO_RETRY = {"x-should-retry": "false"}  # the OpenAI SDKs retry every 5xx unless told: each try is charged
 
 
 class ApiError(Exception):

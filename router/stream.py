@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable
 from infra.bounds import Idle, Overdue, within
 from pools.types import Admitted, Arrived, Failed, Finished, PriorityClass, Refused, Rejected, Usage
 from router.config import TenantConfig
-from router.errors import ApiError, retry_after_header, sse_error
+from router.errors import NO_RETRY, ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient
 from router.load import PoolLoads
 from router.quota import Charge
@@ -167,15 +167,15 @@ class PoolStream:
         self._s.mark("first")
         task = asyncio.current_task()
         if task is not None and task.cancelling():
-            # the client left: vLLM answers a whole response's cancellation with an error, which
-            # is no refusal before work (that would refund the engine's tokens)
+            # the client left: an engine that answers a whole response's cancellation with an error
+            # (vLLM's serving layer does; the pool's `whole_answer` raises it as the cancellation
+            # it is) made no refusal before work (that would refund the engine's tokens)
             raise asyncio.CancelledError
         if isinstance(first, Refused):
             self._s.never_ran = True
             raise ApiError(400, first.code, first.message)
         if isinstance(first, Failed):  # the engine's work is charged; the same request would fail again
-            self._s.usage = first.usage
-            raise ApiError(500, first.code, first.message)
+            raise ApiError(500, first.code, first.message, headers=NO_RETRY)
         if first is None or isinstance(first, Finished):  # no answer: a Finished was handed on as one, a 500
             raise ApiError(502, "pool_failed", f"pool {self.pool!r} ended the request without an answer; retry it",
                            retry_after_s=5)
@@ -265,10 +265,12 @@ class PoolStream:
                         self.pool, self._idle.seconds)
             raise ApiError(504, "pool_timeout", f"pool {self.pool!r} sent nothing for {self._idle.seconds:g}s "
                                                 "after admitting the request: its engine may be stuck, or a "
-                                                "whole answer takes longer (stream it, or ask for fewer tokens)") \
-                from None
+                                                "whole answer takes longer (stream it, or ask for fewer tokens)",
+                           headers=NO_RETRY) from None
         if isinstance(item, Finished):  # the real usage settles the charge, whatever the request did
             self._s.usage, self._finished = item.usage, True
+        elif isinstance(item, Failed):
+            self._s.usage = item.usage
         return item
 
 

@@ -191,9 +191,27 @@ def test_a_whole_answer_that_fails_after_its_generation_is_a_500_charged_what_it
     assert client.steps == 3  # all of it was generated
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed", r.text
     assert "failed after generating" in r.json()["error"]["message"]
-    assert "retry-after" not in r.headers  # the same request would fail again
+    assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"  # it would fail again
     assert settled == [5]  # the final output's 2 prompt and 3 generated tokens (it was refunded: [0])
     assert stats.active == 0 and stats.cancelled == 1 and stats.inflight_tokens == 0
+
+
+def test_the_openai_sdk_does_not_ask_again_for_an_answer_the_engine_failed_on(monkeypatch):
+    """The SDK retries every 5xx twice by default: the same failure, generated and charged three times."""
+    import openai
+
+    async def go():
+        ingress, _ = await make_ingress(engine=await started(monkeypatch))
+        settled = settles(ingress.router)
+        transport = httpx.ASGITransport(app=http_app(ingress))
+        async with httpx.AsyncClient(transport=transport, base_url="http://p") as http:
+            sdk = openai.AsyncOpenAI(api_key="key-b", base_url="http://p/v1", http_client=http, max_retries=2)
+            with pytest.raises(openai.InternalServerError):
+                await asyncio.wait_for(sdk.completions.create(model="m", prompt="hi after-raise", max_tokens=3), 30)
+        await ingress.close()
+        return settled
+
+    assert asyncio.run(go()) == [5]  # asked once, charged once
 
 
 @pytest.mark.parametrize("failure, status, used", [("after-crash", 503, None), ("after-5xx", 500, None)])

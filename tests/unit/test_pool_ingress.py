@@ -49,8 +49,9 @@ class TickEngine(FakeEngine):
         return self._ticks(call.body)
 
     async def _error(self):
-        """What vLLM's OpenAI layer answers when it gives up on a request (a client that left,
-        bad input it found late): an error response in place of the answer."""
+        """What vLLM's OpenAI layer answers when it gives up on a request: an error response in
+        place of the answer (`RayLLMEngine` reads one after the engine's work as a failure,
+        and one made of a cancellation as that cancellation; the route holds for any engine)."""
         await asyncio.sleep(0)
         yield SimpleNamespace(error=SimpleNamespace(message="Client disconnected", code=400, type="BadRequest"))
         await asyncio.sleep(0)

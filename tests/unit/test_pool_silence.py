@@ -66,6 +66,7 @@ def test_a_pool_silent_after_admitting_fails_the_request_visibly_and_frees_its_s
     else:
         assert r.status_code == 504 and r.json()["error"]["code"] == "pool_timeout", r.text
         assert "retry-after" not in r.headers, "a whole answer past the bound would run and be charged again"
+        assert r.headers["x-should-retry"] == "false", "the OpenAI SDK retries any 5xx unless told not to"
         assert "idle" not in r.json()["error"]["message"] and "0.2s" in r.json()["error"]["message"]
     assert statuses == [504] and router.settled == [None], "the engine may have worked: the charge stands"
     assert pool.streams[0].cancelled, "the pool's call was left running, holding its slot in the gate"
@@ -153,3 +154,21 @@ def test_a_hung_engine_in_the_pools_own_process_is_a_504_not_the_clients_leaving
     r, settled, stats = asyncio.run(go())
     assert r.status_code == 504 and r.json()["error"]["code"] == "pool_timeout", r.text
     assert settled == [None] and stats.active == 0 and stats.cancelled == 1 and not any(stats.queued_by_class.values())
+
+
+def test_the_openai_sdk_does_not_ask_again_for_a_whole_answer_past_the_bound():
+    """The SDK retries every 5xx twice by default, Retry-After or not: each try ran, and was
+    charged, for the whole bound (helper-100)."""
+    import openai
+
+    async def go():
+        router, pool = make_router(FakePool(_silent(False)), idle_timeout_s=0.2)
+        settled = settles(router)
+        async with client(router) as http:
+            sdk = openai.AsyncOpenAI(api_key="key-a", base_url="http://router/p/v1", http_client=http, max_retries=2)
+            with pytest.raises(openai.APIStatusError) as e:
+                await asyncio.wait_for(sdk.chat.completions.create(model="m", **CHAT), 60)
+        return e.value.status_code, pool, settled
+
+    status, pool, settled = asyncio.run(go())
+    assert status == 504 and len(pool.streams) == 1 and settled == [None]
