@@ -30,7 +30,7 @@ TYPES = {
 }
 
 
-NO_RETRY = {"x-should-retry": "false"}  # the OpenAI SDKs retry every 5xx unless told: each try is charged
+NO_RETRY = {"x-should-retry": "false"}  # the OpenAI Python SDK retries every 5xx unless told: each try is charged
 
 
 class ApiError(Exception):
