@@ -180,12 +180,13 @@ def test_a_request_too_large_for_the_quota_is_not_retried():
 
 
 @pytest.mark.parametrize("status", [502, 503])  # 502: the router's "retry it" of a pool that answered nothing
-def test_502_and_503_are_retried_up_to_max_attempts_and_504_is_not(status):
+def test_502_and_503_are_retried_up_to_max_attempts_and_500_and_504_are_not(status):
     busy = [httpx.Response(status, json={"error": {}}) for _ in range(4)]
     out, progress, calls, slept = _run(busy)
     assert len(calls) == 4 and slept == [1.0, 2.0, 4.0] and out["response"]["status_code"] == status
-    out, _, calls, _ = _run([httpx.Response(504, json={"error": {"code": "pool_timeout"}})])  # engine time, charged
-    assert out["response"]["status_code"] == 504 and len(calls) == 1
+    for code, failed in ((504, "pool_timeout"), (500, "engine_failed")):  # engine time, charged: not asked again
+        out, _, calls, _ = _run([httpx.Response(code, json={"error": {"code": failed}})])
+        assert out["response"]["status_code"] == code and len(calls) == 1
     assert progress.failed == 1 and progress.retried == 3
 
 
