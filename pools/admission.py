@@ -25,15 +25,14 @@ class GateRejected(Exception):
 class AsyncGate:
     def __init__(self, gate: AdmissionGate) -> None:
         self.gate = gate
-        self._waiters: dict[int, asyncio.Future[Ticket]] = {}
+        self._waiters: dict[int, Pending] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     def offer(self, tenant: str, weight: float, priority: PriorityClass, cost: int, seqs: int = 1) -> "Pending":
         ticket = self.gate.new_ticket(tenant, weight, priority, cost, seqs)
-        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.id] = waiter
+        pending = self._waiters[ticket.id] = Pending(self, ticket.id, asyncio.get_running_loop().create_future())
         self._apply(self.gate.offer(ticket))
-        return Pending(self, ticket.id, waiter)
+        return pending
 
     def release(self, ticket: Ticket, used_tokens: int | None = None, cancelled: bool = False) -> None:
         """Free a slot; `cancelled` when the request did not finish (client gone, error)."""
@@ -45,16 +44,18 @@ class AsyncGate:
 
     def _apply(self, changes: Changes) -> None:
         for t in changes.admitted:
-            waiter = self._waiters.get(t.id)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(t)
-            elif waiter is None or waiter.cancelled():
+            pending = self._waiters.get(t.id)
+            if pending is not None and not pending._waiter.done():
+                pending._waiter.set_result(t)
+            elif pending is None or pending._waiter.cancelled():
                 # Its caller is gone: the slot straight back, and nothing ran to charge the tenant for.
                 self._apply(self.gate.cancel(t.id, used_tokens=0))
         for r in changes.rejected:
-            waiter = self._waiters.get(r.ticket.id)
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(GateRejected(r))
+            pending = self._waiters.get(r.ticket.id)
+            if pending is not None:  # its caller may be leaving in this very turn: kept for its counts
+                pending.rejection = r
+                if not pending._waiter.done():
+                    pending._waiter.set_result(r)  # a result, not an exception nobody may read
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -73,10 +74,13 @@ class AsyncGate:
 
 class Pending:
     """A ticket the gate holds: `decided` once admitted or rejected; `wait` for the verdict
-    (a Ticket, or GateRejected); `withdraw` if its caller leaves before waiting."""
+    (a Ticket, or GateRejected); `withdraw` if its caller leaves before waiting. `rejection` is
+    how the gate turned it away, if it did: a caller that left in the same turn never reads it
+    from `wait`, and still owes it to its counts."""
 
-    def __init__(self, gate: AsyncGate, ticket_id: int, waiter: "asyncio.Future[Ticket]") -> None:
+    def __init__(self, gate: AsyncGate, ticket_id: int, waiter: "asyncio.Future[Ticket | Rejection]") -> None:
         self._gate, self._id, self._waiter = gate, ticket_id, waiter
+        self.rejection: Rejection | None = None
 
     @property
     def decided(self) -> bool:
@@ -84,12 +88,15 @@ class Pending:
 
     async def wait(self) -> Ticket:
         try:
-            return await self._waiter
+            verdict = await self._waiter
         except asyncio.CancelledError:
             self.withdraw()
             raise
         finally:
             self._gate._waiters.pop(self._id, None)
+        if isinstance(verdict, Rejection):
+            raise GateRejected(verdict)
+        return verdict
 
     def withdraw(self) -> None:
         """Take the ticket back: out of the queue, or its slot returned if already admitted."""

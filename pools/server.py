@@ -232,6 +232,8 @@ class PoolServer:
             return
         except BaseException:  # the caller left while it waited (GeneratorExit at the yield)
             pending.withdraw()
+            if (r := pending.rejection) is not None:  # turned away before it left: counted as if it had read it
+                self._metrics.rejected(call.tenant, call.priority, r.reason)
             raise
         admitted = time.monotonic()
         self._metrics.admitted(call.tenant, call.priority, admitted - arrived)

@@ -26,7 +26,7 @@ import collections
 import random
 
 from pools.admission import AsyncGate, GateRejected
-from pools.gate import AdmissionGate, Ceilings, Changes, QueuePolicy, Ticket
+from pools.gate import AdmissionGate, Ceilings, Changes, QueuePolicy, Rejection, Ticket
 from pools.types import PriorityClass as P, SafeRange
 from tests.unit.model_based import replayable, schedules
 
@@ -193,17 +193,21 @@ def test_gate_random_schedules_keep_every_promise():
 
 # -- the asyncio face: callers that wait, hold, finish or leave at any await ---------------
 
+def _turned_away(r: Rejection) -> str:
+    return "returned" if r.reason == "lender_busy" else "rejected"  # the gate counts no work sent home
+
+
 async def _caller(gate: AsyncGate, rng: random.Random, outcome: dict, i: int) -> None:
     """One request's life as the pool server lives it: offer, wait, hold the slot, release."""
     pending = gate.offer(rng.choice("ab"), 1.0, rng.choice(list(P)), rng.randint(1, 500), rng.choice([1, 1, 2]))
     outcome[i] = "offered"
     try:
         ticket = await pending.wait()
-    except GateRejected:
-        outcome[i] = "rejected"
+    except GateRejected as e:
+        outcome[i] = _turned_away(e.rejection)
         return
-    except asyncio.CancelledError:
-        outcome[i] = "left while waiting"
+    except asyncio.CancelledError:  # turned away in the same turn it left: the gate's verdict stands
+        outcome[i] = _turned_away(pending.rejection) if pending.rejection else "left while waiting"
         raise
     done = False
     try:
@@ -237,6 +241,9 @@ async def _async_schedule(rng: random.Random) -> None:
     s = gate.gate.stats()
     assert (s.active, s.inflight_tokens, s.queued, s.queued_tokens) == (0, 0, 0, 0), s
     assert not gate._waiters
+    ends = collections.Counter(outcome.values())  # what each caller learnt is what the gate counted
+    assert (ends["finished"], ends["rejected"], ends["left while waiting"] + ends["left while running"]) == \
+        (s.completed, s.rejected + s.evicted, s.cancelled), (ends, s)
 
 
 def test_async_gate_callers_leaving_at_any_await_leave_nothing_behind():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from types import SimpleNamespace
 
@@ -180,6 +181,37 @@ def test_a_caller_that_leaves_while_queued_withdraws_its_ticket():
     queued, left, end = asyncio.run(go())
     assert queued == 1 and sum(left.queued_by_class.values()) == 0 and left.cancelled == 1
     assert end.active == 0 and end.completed == 1
+
+
+
+def test_a_queued_call_evicted_before_its_caller_left_is_counted_rejected_and_its_verdict_read():
+    """A queued call evicted by a more important arrival while it waited at its `Arrived`, whose
+    caller then left without reading the verdict, was counted by the gate and by no metric, and
+    asyncio logged its verdict as an exception never retrieved."""
+    async def go():
+        lost: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: lost.append(context))
+        FakeEngine.release = asyncio.Event()
+        server = await make_server(max_queued=1)
+        ends: list[str] = []
+        server._metrics.rejected = lambda tenant, priority, reason: ends.append(reason)
+        server._metrics.cancelled = lambda tenant, priority: ends.append("cancelled")
+        running = server.generate(call())
+        await running.__anext__()  # the only slot
+        waiting = server.generate(call(PriorityClass.BATCH))
+        assert isinstance(await waiting.__anext__(), Arrived)
+        evictor = server.generate(call(PriorityClass.INTERACTIVE))
+        assert isinstance(await evictor.__anext__(), Arrived)  # it took the queue's one place
+        await waiting.aclose()  # and the first caller left before reading that it lost it
+        FakeEngine.release.set()
+        _ = [x async for x in running] + [x async for x in evictor]
+        del waiting
+        gc.collect()
+        return ends, server._gate.gate.stats(), lost
+
+    ends, stats, lost = asyncio.run(go())
+    assert (stats.evicted, stats.cancelled, stats.completed) == (1, 0, 2), stats
+    assert ends == ["evicted"] and not lost, (ends, lost)
 
 
 def test_queue_full_yields_a_single_rejection():
