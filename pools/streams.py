@@ -1,16 +1,19 @@
 """The engine's streams as a pool replica reads them: a stream's chunks sent on in lists
-(`batched`), and a whole answer whose failure after the engine's work is told from the
-input's refusal (`mark_output`, `whole_answer`). No vLLM import: the engine's client and
-its outputs are read by their attributes."""
+(`batched`), a whole answer whose failure after the engine's work is told from the input's
+refusal (`mark_output`, `whole_answer`), and the error an engine item carries in an answer's
+place (`engine_error`, for the route and the calibration sweep). No vLLM import: the engine's
+client and its outputs are read by their attributes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import contextvars
+import json
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
-from pools.types import Usage
+from pools.types import Usage, error_status
 
 
 class EngineFailed(Exception):
@@ -80,8 +83,7 @@ async def whole_answer(stream: AsyncIterator[Any], refusals: tuple[type[BaseExce
             if (error := getattr(item, "error", None)) is not None:
                 if (task := asyncio.current_task()) is not None and task.cancelling():
                     raise asyncio.CancelledError
-                code = getattr(error, "code", None)
-                if seen.last is not None and not (isinstance(code, int) and code >= 500):
+                if seen.last is not None and error_status(error) < 500:
                     raise EngineFailed(getattr(error, "message", str(error)), seen.usage())
             yield item
     except refusals as e:
@@ -90,6 +92,27 @@ async def whole_answer(stream: AsyncIterator[Any], refusals: tuple[type[BaseExce
         raise EngineFailed(f"{type(e).__name__}: {e}", seen.usage()) from e
     finally:
         _OUTPUT.set(None)
+
+
+def engine_error(item: Any) -> Any:
+    """The error an engine item carries in an answer's place, else None: an error object of
+    Ray LLM's serving layer, or the SSE error event vLLM's stream generator sends for what the
+    engine raised as it took the request (first in the item's list)."""
+    head = item[0] if isinstance(item, list) and item else item
+    err = _error_event(head) if isinstance(head, str) else getattr(head, "error", None)
+    return err if err is not None and hasattr(err, "message") else None
+
+
+def _error_event(text: str) -> Any:
+    """The error of an SSE error event (`data: {"error": {...}}`), else None."""
+    if not text.startswith("data: {") or '"error"' not in text[:16]:
+        return None
+    try:
+        err = json.loads(text[len("data: "):]).get("error")
+    except ValueError:
+        return None
+    return SimpleNamespace(**{k: err.get(k) for k in ("message", "type", "param", "code")}) if isinstance(
+        err, dict) and isinstance(err.get("message"), str) else None
 
 
 async def batched(items: AsyncIterator[Any], interval_s: float) -> AsyncIterator[list[Any]]:

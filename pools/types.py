@@ -185,6 +185,17 @@ class Failed:
     usage: "Usage | None" = None
 
 
+def error_status(error: Any) -> int:
+    """The HTTP status an engine's error object names: its `code` if that reads as a 4xx or 5xx
+    (vLLM's are ints; a string or a float is read as its number), else 400, the engine's
+    refusal of the input. The pool and the router read an error's status only here."""
+    try:
+        status = int(getattr(error, "code", 400) or 400)
+    except (TypeError, ValueError, OverflowError):  # no number (or inf)
+        return 400
+    return status if 400 <= status < 600 else 400
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int

@@ -19,14 +19,14 @@ started (its client left between the handler's return and the first byte) is set
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
 from infra.bounds import Idle, Overdue, within
-from pools.types import Admitted, Arrived, Failed, Finished, PriorityClass, Refused, Rejected, Usage
+from pools.streams import engine_error
+from pools.types import (Admitted, Arrived, Failed, Finished, PriorityClass, Refused, Rejected, Usage,
+                         error_status)
 from router.config import TenantConfig
 from router.errors import NO_RETRY, ApiError, retry_after_header, sse_error
 from router.leases import QuotaClient
@@ -182,14 +182,8 @@ class PoolStream:
         # a streamed request vLLM's serving refused comes as the error in its first chunk's place:
         # an error object from Ray LLM, or the SSE error event vLLM's stream generator sends for
         # what the engine raised as it took the request (a token id out of the vocabulary)
-        head = first[0] if isinstance(first, list) and first else first
-        err = _error_event(head) if isinstance(head, str) else getattr(head, "error", None)
-        if err is not None and hasattr(err, "message"):
-            try:
-                status = int(getattr(err, "code", 400) or 400)
-            except (TypeError, ValueError, OverflowError):  # no number (or inf): the engine refused the input
-                status = 400
-            status = status if 400 <= status < 600 else 400
+        if (err := engine_error(first)) is not None:
+            status = error_status(err)
             # a 4xx is an input the engine refused before any work; a 5xx is a generation that
             # failed, maybe after the engine's work: its usage is unknown and the charge stands
             self._s.never_ran = status < 500
@@ -283,18 +277,6 @@ def from_pool(e: BaseException) -> bool:
         task = asyncio.current_task()
         return task is not None and not task.cancelling()
     return isinstance(e, Exception)
-
-
-def _error_event(text: str) -> Any:
-    """The error of an SSE error event (`data: {"error": {...}}`), else None."""
-    if not text.startswith("data: {") or '"error"' not in text[:16]:
-        return None
-    try:
-        err = json.loads(text[len("data: "):]).get("error")
-    except ValueError:
-        return None
-    return SimpleNamespace(**{k: err.get(k) for k in ("message", "type", "param", "code")}) if isinstance(
-        err, dict) and isinstance(err.get("message"), str) else None
 
 
 def _text(item: Any) -> str:

@@ -24,7 +24,7 @@ from tests.unit.test_pool_ingress import http_app, make_ingress
 END = object()
 
 
-def _error(message: str, code: int = 400) -> SimpleNamespace:
+def _error(message: str, code: int | str = 400) -> SimpleNamespace:
     return SimpleNamespace(error=SimpleNamespace(message=message, code=code, type="BadRequestError", param=None))
 
 
@@ -107,6 +107,8 @@ class Serving:
             raise RuntimeError("Internal server error")
         if "after-5xx" in prompt:
             return _error("the engine step failed", 500)
+        if "after-503-as-text" in prompt:  # a code as a string: the router reads it as the number it is
+            return _error("the engine is overloaded", "503")
         usage = {"prompt_tokens": 3, "completion_tokens": 3}
         return SimpleNamespace(usage=SimpleNamespace(**usage),
                                model_dump=lambda: {"choices": [{"text": final.text}], "usage": usage})
@@ -214,7 +216,8 @@ def test_the_openai_sdk_does_not_ask_again_for_an_answer_the_engine_failed_on(mo
     assert asyncio.run(go()) == [5]  # asked once, charged once
 
 
-@pytest.mark.parametrize("failure, status, used", [("after-crash", 503, None), ("after-5xx", 500, None)])
+@pytest.mark.parametrize("failure, status, used", [("after-crash", 503, None), ("after-5xx", 500, None),
+                                                     ("after-503-as-text", 503, None)])
 def test_a_server_error_after_the_generation_stays_what_it_was(monkeypatch, failure, status, used):
     """vLLM's GenerationError (an internal error it calls retryable) is the pool's failure, a
     503 the batch job retries; a 5xx error object keeps its status. Only what would read as
