@@ -34,7 +34,9 @@ from infra.stats import Cumulative, counter_rate
 from infra.traffic import Lengths, synthetic_lengths, trace_lengths
 from pools.control import ReplicaStats
 from pools.llm import request_models
-from pools.types import Admitted, Arrived, Finished, PoolCall, PriorityClass, Rejected
+from pools.streams import engine_error
+from pools.types import (Admitted, Arrived, Failed, Finished, PoolCall, PriorityClass, Refused, Rejected,
+                         error_status)
 
 log = logging.getLogger("poolserve.autoscale")
 
@@ -250,6 +252,13 @@ class Calibrator:
                     return
                 if isinstance(item, (Arrived, Admitted)):
                     continue
+                # the sweep's own request refused or failed: a fault to see, not an answer
+                if isinstance(item, (Refused, Failed)):
+                    res.status, res.error = (400 if isinstance(item, Refused) else 500), item.code
+                    return
+                if (err := engine_error(item)) is not None:  # vLLM's error in the answer's place
+                    res.status, res.error = error_status(err), str(getattr(err, "type", None) or "engine_error")
+                    return
                 if isinstance(item, Finished):
                     res.status, res.e2e = 200, self._clock() - res.start
                     if item.usage is not None:

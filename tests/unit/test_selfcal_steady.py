@@ -3,6 +3,7 @@ the spacing of the reports."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -78,3 +79,41 @@ def test_a_step_whose_requests_the_pools_own_work_sent_home_is_measured_again():
     profile = store.get("p", Fingerprint(**FP))
     assert Interrupted.calls >= 60 and all(r.errors == 0 for r in profile.rows), [r.errors for r in profile.rows]
     assert c.status("p").safe_range == (1, 64)
+
+
+ERROR = {"message": "no", "type": "BadRequestError", "param": None, "code": 400}
+
+
+@pytest.mark.parametrize("ending", ["refused", "failed", "error-object", "error-event"])
+def test_a_sweep_request_the_engine_refuses_or_fails_is_an_error_of_its_step(monkeypatch, ending):
+    """The sweep's requests are poolserve's own, so an engine that refuses one (before any
+    work, or as vLLM's serving layer does: an error in the answer's place) or fails one (after
+    it) shows a fault: it counted as neither an answer nor an error, or as an answer of no
+    tokens, and a refusal streamed in a token's place was read as its first token."""
+    import tests.unit.test_selfcal as test_selfcal
+    from pools.types import Admitted, Failed, Finished, Refused, Usage
+
+    ended = {"refused": Refused("invalid_request", "no"), "failed": Failed("engine_failed", "no"),
+             "error-object": SimpleNamespace(error=SimpleNamespace(**ERROR)),
+             "error-event": [f"data: {json.dumps({'error': ERROR})}\n\n"]}[ending]
+
+    class Faulty(test_selfcal.FakePool):
+        calls = 0
+
+        async def _stream(self, call):
+            Faulty.calls += 1
+            if 40 <= Faulty.calls < 60:  # during a step (the second)
+                yield Admitted("p", "r1", 0.0)
+                yield ended
+                if not isinstance(ended, (Refused, Failed)):  # the pool settles an error in an answer's place
+                    yield Finished(Usage(call.prompt_tokens, 0), None, 0.0)
+                return
+            async for item in super()._stream(call):
+                yield item
+
+    monkeypatch.setattr(test_selfcal, "FakePool", Faulty)
+    store = ProfileStore(MemoryStore())
+    c, _ = calibrate_itself(store, spec(sweep=(1, 4, 16, 64, 128)))
+    profile = store.get("p", Fingerprint(**FP))
+    assert [r.errors for r in profile.rows] == [0, 20, 0, 0, 0], [(r.max_active_seqs, r.errors) for r in profile.rows]
+    assert c.status("p").safe_range == (1, 1)  # a step with errors is past the knee, as a shed one is
