@@ -61,6 +61,9 @@ SERIES = {
                        "Requests the gate refused (reason: queue_full, evicted, lender_busy)"),
     "cancelled": Series("poolserve_cancelled_total", "counter", _REQUEST,
                         "Admitted requests that did not finish: the client gone, the engine's refusal or error"),
+    "left_queued": Series("poolserve_left_queued_total", "counter", _REQUEST,
+                          "Requests whose caller left while they waited at the gate, before their admission reached "
+                          "it (the gate's cancelled count is this plus `cancelled`)"),
     "router_requests": Series("poolserve_router_requests_total", "counter", ("pool", "tenant", "status"),
                               "Requests by final HTTP status (499: the client left first; 503 also for a stream "
                               "that broke after its 200; before a key is read, tenant `-` and pool `-`, or `unknown` "
@@ -92,7 +95,7 @@ SERIES = {
 # router replica its tenants', the controller its decisions
 POOL_STATE = ("queue_depth", "queued_tokens", "active_seqs", "inflight_tokens", "limit_seqs", "limit_tokens",
               "range_low", "range_high", "kv_usage", "engine_running", "engine_waiting")
-POOL_REQUESTS = ("ttft", "tpot", "queue_wait", "admitted", "rejected", "cancelled")
+POOL_REQUESTS = ("ttft", "tpot", "queue_wait", "admitted", "rejected", "cancelled", "left_queued")
 ROUTER = ("router_requests", "borrowed", "quota_rejections", "shed", "tenant_tokens", "quota_remaining_tokens",
           "quota_remaining_requests")
 CONTROLLER = ("decisions", "target_seqs", "profile_stale")
@@ -153,6 +156,9 @@ class PoolMetrics:
 
     def cancelled(self, tenant: str, priority: "PriorityClass") -> None:
         self._h["cancelled"].inc(1, self._rt(tenant, priority))
+
+    def left_queued(self, tenant: str, priority: "PriorityClass") -> None:
+        self._h["left_queued"].inc(1, self._rt(tenant, priority))
 
     def latency(self, tenant: str, priority: "PriorityClass", ttft_s: float | None, tpot_s: float | None) -> None:
         tags = self._rt(tenant, priority)

@@ -234,6 +234,8 @@ class PoolServer:
             pending.withdraw()
             if (r := pending.rejection) is not None:  # turned away before it left: counted as if it had read it
                 self._metrics.rejected(call.tenant, call.priority, r.reason)
+            else:
+                self._metrics.left_queued(call.tenant, call.priority)
             raise
         admitted = time.monotonic()
         self._metrics.admitted(call.tenant, call.priority, admitted - arrived)
