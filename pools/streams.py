@@ -80,11 +80,11 @@ async def whole_answer(stream: AsyncIterator[Any], refusals: tuple[type[BaseExce
     _OUTPUT.set(seen)  # read by `mark_output`'s wrapper, which the serving layer calls in this task
     try:
         async for item in stream:
-            if (error := getattr(item, "error", None)) is not None:
+            if (error := engine_error(item)) is not None:
                 if (task := asyncio.current_task()) is not None and task.cancelling():
                     raise asyncio.CancelledError
                 if seen.last is not None and error_status(error) < 500:
-                    raise EngineFailed(getattr(error, "message", str(error)), seen.usage())
+                    raise EngineFailed(error.message, seen.usage())
             yield item
     except refusals as e:
         if seen.last is None:
