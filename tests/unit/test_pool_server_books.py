@@ -1,11 +1,13 @@
 """A pool replica's metrics and its gate's books agree, whatever its callers do: seeded schedules
-of calls of two priorities into a small queue, each caller reading its stream to the end or
-leaving at its `Arrived`, at its `Admitted` or after a chunk, while the engine's streams are held
+of calls of two priorities and borrowed calls into a small queue, each caller reading its stream
+to the end, leaving at its `Arrived`, at its `Admitted` or after a chunk, or cancelled from
+outside at a random turn (inside its wait at the gate too), while the engine's streams are held
 and let go at random moments. Every call is counted once by the metrics, as the gate counted it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import Counter
 
@@ -14,7 +16,8 @@ import pytest
 from pools.types import Admitted, Arrived, Finished, PriorityClass, Rejected
 from tests.unit.test_pool_server import FakeEngine, call, make_server
 
-LEAVE = ("never", "arrived", "admitted", "chunk")
+LEAVE = ("never", "arrived", "admitted", "chunk", "cancelled")
+REASONS = ("queue_full", "evicted", "lender_busy")  # a rejection's, as the metric labels it
 
 
 class Books:
@@ -31,6 +34,7 @@ class Books:
 
 
 async def caller(server, c, leave: str, seen: Counter) -> None:
+    seen["call"] += 1  # a task cancelled before it ran made no call
     stream = server.generate(c)
     try:
         async for item in stream:
@@ -47,14 +51,29 @@ async def caller(server, c, leave: str, seen: Counter) -> None:
         await stream.aclose()
 
 
+async def cancel_after(task: asyncio.Task, turns: int) -> None:
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+
+
+def a_call(rng: random.Random):
+    kind = rng.choice(("interactive", "batch", "borrowed"))
+    if kind == "borrowed":  # lent only while no own work holds the replica's one slot
+        return dataclasses.replace(call(PriorityClass.BORROWED), borrowed=True)
+    return call(PriorityClass.INTERACTIVE if kind == "interactive" else PriorityClass.BATCH)
+
+
 async def schedule(seed: int):
     rng = random.Random(seed)
     FakeEngine.release, FakeEngine.fail_with = asyncio.Event(), None
     server = await make_server(max_queued=rng.choice((1, 2, 3)))
     books, seen, tasks = Books(server), Counter[str](), []
     for _ in range(rng.randint(4, 14)):
-        prio = rng.choice((PriorityClass.INTERACTIVE, PriorityClass.BATCH))
-        tasks.append(asyncio.create_task(caller(server, call(prio), rng.choice(LEAVE), seen)))
+        leave = rng.choice(LEAVE)
+        tasks.append(asyncio.create_task(caller(server, a_call(rng), leave, seen)))
+        if leave == "cancelled":
+            tasks.append(asyncio.create_task(cancel_after(tasks[-1], rng.randint(0, 8))))
         for _ in range(rng.randint(0, 4)):
             await asyncio.sleep(0)
         if rng.random() < 0.3:  # the engine lets its held streams go, then holds again
@@ -63,20 +82,20 @@ async def schedule(seed: int):
                 await asyncio.sleep(0)
             FakeEngine.release = asyncio.Event()
     FakeEngine.release.set()
-    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
     for _ in range(5):  # a closed stream's slot comes back as its generator finishes
         await asyncio.sleep(0)
-    return len(tasks), books.n, seen, server._gate.gate.stats()
+    return seen["call"], books.n, seen, server._gate.gate.stats()
 
 
 @pytest.mark.parametrize("seed", range(150))
 def test_every_call_is_counted_once_as_the_gate_counted_it(seed):
     calls, n, seen, gate = asyncio.run(schedule(seed))
-    assert n["admitted"] + n["left_queued"] + n["queue_full"] + n["evicted"] == calls, (n, gate)
+    assert n["admitted"] + n["left_queued"] + sum(n[r] for r in REASONS) == calls, (n, gate)
     assert (n["queue_full"], n["evicted"]) == (gate.rejected, gate.evicted), (n, gate)
     assert n["cancelled"] + n["left_queued"] == gate.cancelled, (n, gate)
     assert n["admitted"] == gate.completed + n["cancelled"], (n, gate)
-    assert seen["Finished"] == gate.completed and seen["Rejected"] <= n["queue_full"] + n["evicted"], (seen, n)
+    assert seen["Finished"] == gate.completed and seen["Rejected"] <= sum(n[r] for r in REASONS), (seen, n)
     assert gate.active == 0 and sum(gate.queued_by_class.values()) == 0, gate
 
 
@@ -85,4 +104,5 @@ def test_the_schedules_reach_every_ending():
     totals = Counter[str]()
     for seed in range(150):
         totals.update(asyncio.run(schedule(seed))[1])
-    assert all(totals[k] > 0 for k in ("admitted", "left_queued", "queue_full", "evicted", "cancelled")), totals
+    assert all(totals[k] > 0 for k in ("admitted", "left_queued", "queue_full", "evicted", "cancelled",
+                                       "lender_busy")), totals
