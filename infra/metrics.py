@@ -56,7 +56,9 @@ SERIES = {
                    TPOT_BUCKETS_S),
     "queue_wait": Series("poolserve_queue_wait_seconds", "histogram", _REQUEST, "Time waiting at the gate",
                          LATENCY_BUCKETS_S),
-    "admitted": Series("poolserve_admitted_total", "counter", _REQUEST, "Requests admitted by the gate"),
+    "admitted": Series("poolserve_admitted_total", "counter", _REQUEST,
+                       "Requests the gate admitted and whose caller took the admission (one admitted as its caller "
+                       "left counts in `left_queued`)"),
     "rejected": Series("poolserve_rejected_total", "counter", _REQUEST + ("reason",),
                        "Requests the gate refused (reason: queue_full, evicted, lender_busy)"),
     "cancelled": Series("poolserve_cancelled_total", "counter", _REQUEST,
