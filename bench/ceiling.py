@@ -30,14 +30,16 @@ Raw data of every round goes to bench/results/raw/<run>/: each request's timings
 generator's JSON lines, `vllm bench serve --save-detailed`), the CPU seconds of every process by
 role (from /proc), and for poolserve its pools' reports sampled every half second.
 
-    python -m bench.ceiling [--rounds 3] [--ceiling-rounds 3] [--seed 0]
+    python -m bench.ceiling [--rounds 3] [--ceiling-rounds 3] [--seed 0] [--only flood|ceiling|c1 ...]
+
+A run of some parts only (`--only`, for development) keeps its result and raw data in
+bench/results/quick/, out of the doc.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import os
 import random
@@ -49,7 +51,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import procs, verdicts
-from bench.common import KEYS, REPO, RESULTS, ray_cluster, write_result
+from bench.common import KEYS, REPO, RESULTS, compress, ray_cluster, write_result
 from bench.setups import (
     CEILING_SEQS,
     OFFLINE_SEQS,
@@ -78,6 +80,7 @@ CEILING_LENGTHS = (200, 100)
 CEILING_PROMPTS, CEILING_CONCURRENCY = 640, 64
 C1_PROMPTS = 60  # TTFT at concurrency 1
 BUSY_AT_REST = 0.75  # cores
+PARTS = ("flood", "ceiling", "c1")
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -260,24 +263,11 @@ def c1_round(name: str, raw: Path, seed: int) -> dict:
             "tpot_p50_ms": out["median_tpot_ms"]}
 
 
-def profile(pids: dict[str, int], seconds: float, raw: Path) -> dict[str, Path]:
-    """A py-spy profile (raw collapsed stacks) of each named process, taken together."""
-    spy = Path(sys.executable).parent / "py-spy"
-    runs = {name: subprocess.Popen([str(spy), "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                                    "--format", "raw", "--output", str(raw.with_suffix(f".{name}.txt")),
-                                    "--nonblocking", "--rate", "50"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for name, pid in pids.items()}
-    for p in runs.values():
-        p.wait()
-    return {name: raw.with_suffix(f".{name}.txt") for name in pids}
-
-
 # -- the run ------------------------------------------------------------------------------------
 
-def _keep(out: dict) -> None:
+def _keep(out: dict, raw: Path) -> None:
     """The run so far, beside its raw data: a run that fails later loses no round."""
-    (RESULTS / "raw" / out["run"] / "partial.json").write_text(json.dumps(out, indent=1))
+    (raw / "partial.json").write_text(json.dumps(out, indent=1))
 
 
 def at_rest(step) -> float:
@@ -290,12 +280,13 @@ def at_rest(step) -> float:
     return level + 0.25
 
 
-def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
+def run(rounds: int, ceiling_rounds: int, seed: int, parts: tuple[str, ...] = PARTS,
+        results: Path = RESULTS) -> dict:
     run_id = time.strftime("%Y%m%d-%H%M%S")
-    raw = RESULTS / "raw" / run_id
+    raw = results / "raw" / run_id
     raw.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    out: dict = {"run": run_id, "seed": seed, "online_timeout_s": ONLINE_TIMEOUT_S,
+    out: dict = {"run": run_id, "seed": seed, "online_timeout_s": ONLINE_TIMEOUT_S, "parts": list(parts),
                  "flood": [], "ceiling": [], "c1": []}
     started = time.monotonic()
 
@@ -303,61 +294,45 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
         print(f"[{time.monotonic() - started:5.0f}s] {what}", flush=True)
 
     with ray_cluster():
-        step("deploy poolserve and the stock two pools")
+        step("deploy poolserve")
         ps, stack = poolserve()
-        targets = {"poolserve": ps, "stock-two-pools": stock_two_pools()}
-        order = [s for _ in range(rounds) for s in targets]
-        rng.shuffle(order)
-        out["flood_order"] = order
-        pin(stack, ONLINE_SEQS, OFFLINE_SEQS)
-        quiet = at_rest(step)
-        for i, name in enumerate(order):
-            procs.wait_quiet(quiet)
-            step(f"flood round {i}: {name}")
-            r = flood_round(targets[name], raw / f"flood-{i:02d}-{name}", stack if name == "poolserve" else None)
-            out["flood"].append({"round": i, "setup": name, **r})
-            _keep(out)
-            step(f"  online TTFT P99 {r['online_ttft_ms']['p99']:.0f} ms, TPOT P99 {r['online_tpot_ms']['p99']:.1f} ms,"
-                 f" offline {r['offline_tok_s']:.0f} tok/s")
-        from ray import serve
+        targets = {"poolserve": ps}
+        if "flood" in parts:
+            step("deploy the stock two pools")
+            targets["stock-two-pools"] = stock_two_pools()
+            order = [s for _ in range(rounds) for s in targets]
+            rng.shuffle(order)
+            out["flood_order"] = order
+            pin(stack, ONLINE_SEQS, OFFLINE_SEQS)
+            quiet = at_rest(step)
+            for i, name in enumerate(order):
+                procs.wait_quiet(quiet)
+                step(f"flood round {i}: {name}")
+                r = flood_round(targets[name], raw / f"flood-{i:02d}-{name}", stack if name == "poolserve" else None)
+                out["flood"].append({"round": i, "setup": name, **r})
+                _keep(out, raw)
+                step(f"  online TTFT P99 {r['online_ttft_ms']['p99']:.0f} ms, TPOT P99 "
+                     f"{r['online_tpot_ms']['p99']:.1f} ms, offline {r['offline_tok_s']:.0f} tok/s")
+            from ray import serve
 
-        serve.delete("stock")
+            serve.delete("stock")
         step("deploy stock one pool and start vLLM's server")
         stock_one_pool()
         server = vllm_server(raw / "vllm-server.log")
         quiet = at_rest(step)
         try:
             pin(stack, ONLINE_SEQS, CEILING_SEQS)
-            paths = ["raw-engine", "vllm-server", "poolserve", "stock-one-pool", "batch-job"]
-            order = [p for _ in range(ceiling_rounds) for p in paths]
-            rng.shuffle(order)
-            out["ceiling_order"] = order
-            for i, (name, prompts) in enumerate(zip(order, round_seeds(order))):
-                procs.wait_quiet(quiet)
-                step(f"ceiling round {i}: {name}")
-                r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}", prompts)
-                out["ceiling"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
-                _keep(out)
-                step(f"  {r['output_tok_s']:.0f} output tok/s")
-            c1 = ["vllm-server", "poolserve"] * ceiling_rounds
+            if "ceiling" in parts:
+                _ceiling_rounds(out, ceiling_rounds, rng, raw, quiet, step)
+            c1 = ["vllm-server", "poolserve"] * ceiling_rounds if "c1" in parts else []
             for i, (name, prompts) in enumerate(zip(c1, round_seeds(c1))):
                 procs.wait_quiet(quiet)
                 r = c1_round(name, raw / f"c1-{i:02d}-{name}", prompts)
                 out["c1"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
-                _keep(out)
+                _keep(out, raw)
                 step(f"concurrency 1, {name}: TTFT P50 {r['ttft_p50_ms']:.1f} ms")
-            # where poolserve's serving processes spend their CPU at the ceiling (an extra,
-            # unmeasured round: the profiler's own sampling costs CPU)
-            procs.wait_quiet(quiet)
-            roles = procs.snapshot().roles
-            pids = {role.split(":")[-1]: pid for pid, role in roles.items()
-                    if role in ("replica poolserve-offline-batch:pool-offline-batch", "HTTP proxy")}
-            step(f"profiling {sorted(pids)}")
-            spy = threading.Thread(target=lambda: out.__setitem__(
-                "profiles", {k: str(v.relative_to(REPO)) for k, v in profile(pids, 15, raw / "profile").items()}))
-            spy.start()
-            ceiling_round("poolserve", raw / "profile-run", ceiling_rounds)  # prompts no round sent
-            spy.join()
+            if "ceiling" in parts:
+                _profile_at_ceiling(out, ceiling_rounds, raw, quiet, step)
         finally:
             server.terminate()
             server.wait(60)
@@ -369,17 +344,33 @@ def run(rounds: int, ceiling_rounds: int, seed: int) -> dict:
     return out
 
 
-def compress(raw: Path, above: int = 64 * 1024, root: Path = REPO) -> dict[str, str]:
-    """Gzip the run's large raw files (per-request detail and profiles run to megabytes); the
-    new name of each, both relative to `root`."""
-    renamed = {}
-    for f in raw.iterdir():
-        if f.suffix != ".gz" and f.stat().st_size > above:
-            gz = f.with_name(f.name + ".gz")
-            gz.write_bytes(gzip.compress(f.read_bytes(), mtime=0))
-            f.unlink()
-            renamed[str(f.relative_to(root))] = str(gz.relative_to(root))
-    return renamed
+def _ceiling_rounds(out: dict, rounds: int, rng: random.Random, raw: Path, quiet: float, step) -> None:
+    paths = ["raw-engine", "vllm-server", "poolserve", "stock-one-pool", "batch-job"]
+    order = [p for _ in range(rounds) for p in paths]
+    rng.shuffle(order)
+    out["ceiling_order"] = order
+    for i, (name, prompts) in enumerate(zip(order, round_seeds(order))):
+        procs.wait_quiet(quiet)
+        step(f"ceiling round {i}: {name}")
+        r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}", prompts)
+        out["ceiling"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
+        _keep(out, raw)
+        step(f"  {r['output_tok_s']:.0f} output tok/s")
+
+
+def _profile_at_ceiling(out: dict, rounds: int, raw: Path, quiet: float, step) -> None:
+    """Where poolserve's serving processes spend their CPU at the ceiling: an extra, unmeasured
+    round (the profiler's own sampling costs CPU)."""
+    procs.wait_quiet(quiet)
+    roles = procs.snapshot().roles
+    pids = {role.split(":")[-1]: pid for pid, role in roles.items()
+            if role in ("replica poolserve-offline-batch:pool-offline-batch", "HTTP proxy")}
+    step(f"profiling {sorted(pids)}")
+    spy = threading.Thread(target=lambda: out.__setitem__(
+        "profiles", {k: str(v.relative_to(REPO)) for k, v in procs.profile(pids, 15, raw / "profile").items()}))
+    spy.start()
+    ceiling_round("poolserve", raw / "profile-run", rounds)  # prompts no round sent
+    spy.join()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -387,8 +378,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="flood rounds per set-up")
     p.add_argument("--ceiling-rounds", type=int, default=3, help="ceiling rounds per path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=PARTS, action="append",
+                   help="run only this part (repeatable); the result goes to bench/results/quick/, not the doc")
     a = p.parse_args(argv)
-    write_result("ceiling", run(a.rounds, a.ceiling_rounds, a.seed))
+    parts = tuple(part for part in PARTS if part in (a.only or PARTS))
+    results = RESULTS if parts == PARTS else RESULTS / "quick"
+    write_result("ceiling", run(a.rounds, a.ceiling_rounds, a.seed, parts, results), results)
 
 
 if __name__ == "__main__":

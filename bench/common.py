@@ -8,6 +8,7 @@ set-ups inside one run only; never against a figure from another run.
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import platform
 import time
@@ -160,3 +161,16 @@ def warm_up(stack: Stack, requests: int = 8) -> None:
         for i in range(requests):
             httpx.post(url, headers={"Authorization": f"Bearer {by_hash[tenant.key_sha256]}"}, timeout=120,
                        json={"messages": [{"role": "user", "content": "warm up " * (1 + 16 * i)}], "max_tokens": 8})
+
+
+def compress(raw: Path, above: int = 64 * 1024, root: Path = REPO) -> dict[str, str]:
+    """Gzip the run's large raw files (per-request detail and profiles run to megabytes); the
+    new name of each, both relative to `root`."""
+    renamed = {}
+    for f in raw.iterdir():
+        if f.suffix != ".gz" and f.stat().st_size > above:
+            gz = f.with_name(f.name + ".gz")
+            gz.write_bytes(gzip.compress(f.read_bytes(), mtime=0))
+            f.unlink()
+            renamed[str(f.relative_to(root))] = str(gz.relative_to(root))
+    return renamed

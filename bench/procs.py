@@ -10,6 +10,8 @@ The load generators are named by the caller (their pids).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,3 +123,16 @@ def wait_quiet(max_cores: float, over_s: float = 2.0, timeout_s: float = 120.0) 
         if time.monotonic() - start > timeout_s:
             top = ", ".join(f"{k} {v / over_s:.2f}" for k, v in list(by_role.items())[:5])
             raise TimeoutError(f"the machine stayed busy ({used:.2f} cores: {top}) for {timeout_s} s")
+
+
+def profile(pids: dict[str, int], seconds: float, raw: Path) -> dict[str, Path]:
+    """A py-spy profile (raw collapsed stacks) of each named process, taken together."""
+    spy = Path(sys.executable).parent / "py-spy"
+    runs = {name: subprocess.Popen([str(spy), "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                    "--format", "raw", "--output", str(raw.with_suffix(f".{name}.txt")),
+                                    "--nonblocking", "--rate", "50"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for name, pid in pids.items()}
+    for p in runs.values():
+        p.wait()
+    return {name: raw.with_suffix(f".{name}.txt") for name in pids}

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from bench import intervals, procs
-from bench.ceiling import ONLINE_TIMEOUT_S, at_rest, ceiling_round, compress, flood_round
-from bench.common import RESULTS, ray_cluster
+from bench.ceiling import ONLINE_TIMEOUT_S, at_rest, ceiling_round, flood_round
+from bench.common import RESULTS, compress, ray_cluster
 from bench.setups import CEILING_SEQS, OFFLINE_NICE, OFFLINE_SEQS, ONLINE_SEQS, pin, poolserve
 from infra.loadgen import read_raw
 from infra.results import ttfts_with_timeouts

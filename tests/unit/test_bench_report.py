@@ -142,7 +142,7 @@ def test_ceiling_section_names_the_flood_only_when_the_run_had_one():
 def test_ceiling_compresses_only_the_large_raw_files(tmp_path):
     import gzip
 
-    from bench.ceiling import compress
+    from bench.common import compress
 
     (tmp_path / "big.json").write_text("x" * 100)
     (tmp_path / "small.json").write_text("y")
@@ -164,3 +164,20 @@ def test_no_ceiling_path_sends_the_prompts_of_one_of_its_rounds_again():
     for path, seed in zip(order, seeds):
         by_path.setdefault(path, []).append(seed)
     assert by_path == {"raw-engine": [0, 1], "poolserve": [0, 1, 2], "batch-job": [0, 1]}
+
+
+def test_a_ceiling_run_of_some_parts_stays_out_of_the_doc(monkeypatch):
+    """The doc's tables read bench/results/ceiling.json: a development run of one part must not
+    replace the whole run there."""
+    ceiling = importlib.import_module("bench.ceiling")
+    ran, wrote = [], []
+    monkeypatch.setattr(ceiling, "run", lambda rounds, c_rounds, seed, parts, results: ran.append((parts, results)))
+    monkeypatch.setattr(ceiling, "write_result", lambda name, result, results: wrote.append((name, results)))
+    ceiling.main(["--only", "c1"])
+    ceiling.main(["--only", "c1", "--only", "flood"])
+    ceiling.main(["--only", "c1", "--only", "ceiling", "--only", "flood"])
+    ceiling.main([])
+    quick = ceiling.RESULTS / "quick"
+    assert ran == [(("c1",), quick), (("flood", "c1"), quick), (ceiling.PARTS, ceiling.RESULTS),
+                   (ceiling.PARTS, ceiling.RESULTS)]
+    assert wrote == [("ceiling", results) for _, results in ran]
