@@ -209,6 +209,7 @@ class Describe(Frozen):
     block_size: int | None
     cudagraph_capture_sizes: tuple[int, ...]
     nice: NiceJson
+    engine_cores: tuple[tuple[int, ...] | None, ...] = ()  # each engine process's cores, in `nice.engines`' order
 
 
 class SloResult(Frozen):

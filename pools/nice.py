@@ -1,5 +1,5 @@
 """A pool's CPU priority on a host whose cores it shares: Linux `nice` for its replicas and
-their engine processes.
+their engine processes; and its engine kept on the cores its workers are bound to.
 
 Where both pools' engines share a host's cores with the router and the HTTP proxy (the
 two-core default, a small node), a busy offline engine takes its full share of a core from
@@ -15,9 +15,16 @@ the online replica, and the online tail grew with it (bench/notes.md). Its repor
 autoscaler may come later under a flood; the controller holds a pool it has not heard from and
 logs the gap.
 
-Nice values belong to threads on Linux: every thread of the replica and of every engine
-process is set, and threads and processes started later inherit their creator's value.
-Elsewhere than Linux this does nothing.
+vLLM binds a CPU engine's workers to `cpu_threads_bind`, not its engine core, which between
+steps waits for them in a busy loop (its shared-memory queue yields the CPU and looks again,
+for a second after each read). Left free, that loop spins on the cores the pool's route, the
+HTTP proxy and the other pool need: on a two-core host, while one long stream ran, another
+process waited up to 2.7 s for a core and the stream's lines came in bursts after gaps of
+3-6 s (bench/notes.md). Bound beside its workers, it spins only while they have nothing to run.
+
+Nice values and CPU affinity belong to threads on Linux: every thread of the replica and of
+every engine process is set, and threads and processes started later inherit their creator's
+value. Elsewhere than Linux this does nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from __future__ import annotations
 import logging
 import os
 
-from pools.reaper import PROC, descendants, engine_children
+from pools.reaper import PROC, descendants, engine_children, title
+
+WORKER_PREFIX = b"VLLM::Worker"  # vLLM's workers' process title; the engine core's is VLLM::EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +85,38 @@ def niceness(pid: int) -> int | None:
         return os.getpriority(os.PRIO_PROCESS, pid)
     except OSError:
         return None
+
+
+def bind_with_workers(pids: list[int]) -> tuple[int, ...] | None:
+    """Bind every thread of the engine processes `pids` but vLLM's workers to the cores its
+    workers are bound to; those cores, or None where the workers may run wherever this
+    process may (no `cpu_threads_bind`) or there are none."""
+    workers = [p for p in pids if title(p).startswith(WORKER_PREFIX)]
+    bound = set().union(*(cores(p) or () for p in workers))
+    if not bound or bound >= set(cores(os.getpid()) or ()):
+        return None
+    for pid in pids:
+        if pid not in workers:
+            for _ in range(8):  # as `renice`: a thread started during a pass keeps its creator's cores
+                if not sum(_bind(tid, bound) for tid in _threads(pid)):
+                    break
+    log.info("engine processes %s bound to cores %s, beside their workers", pids, sorted(bound))
+    return tuple(sorted(bound))
+
+
+def cores(pid: int) -> tuple[int, ...] | None:
+    """The cores a process (its main thread) may run on; None if it is gone or not Linux."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(pid)))
+    except (OSError, AttributeError):
+        return None
+
+
+def _bind(tid: int, bound: set[int]) -> bool:
+    try:
+        if os.sched_getaffinity(tid) != bound:
+            os.sched_setaffinity(tid, bound)
+            return True
+    except OSError:
+        pass  # the thread ended meanwhile
+    return False

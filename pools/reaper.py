@@ -48,11 +48,16 @@ def alive(pid: int, start: int) -> bool:
     return st is not None and st[1] == start
 
 
-def _is_engine(pid: int) -> bool:
+def title(pid: int) -> bytes:
+    """A process's command line as /proc holds it (its title, where it set one); empty if it is gone."""
     try:
-        return (PROC / str(pid) / "cmdline").read_bytes().startswith(ENGINE_PREFIX)
+        return (PROC / str(pid) / "cmdline").read_bytes()
     except OSError:
-        return False
+        return b""
+
+
+def _is_engine(pid: int) -> bool:
+    return title(pid).startswith(ENGINE_PREFIX)
 
 
 def _children() -> dict[int, list[int]]:

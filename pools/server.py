@@ -184,6 +184,7 @@ class PoolServer:
         self._engine = engine
         await engine.start()
         self._engine_pids = nice.lower_pool(settings.nice, os.getpid())  # describe() shows the values
+        nice.bind_with_workers(self._engine_pids)
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         started = time.monotonic()
         await engine.warm_up(settings.warmup_requests)
@@ -345,7 +346,8 @@ class PoolServer:
                         block_size=facts.block_size if facts else None,
                         cudagraph_capture_sizes=facts.cudagraph_capture_sizes if facts else (),
                         nice=NiceJson(replica=nice.niceness(os.getpid()),
-                                      engines=tuple(nice.niceness(p) for p in self._engine_pids)))
+                                      engines=tuple(nice.niceness(p) for p in self._engine_pids)),
+                        engine_cores=tuple(nice.cores(p) for p in self._engine_pids))
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -82,3 +82,12 @@ def test_pools_run_at_their_configured_cpu_priority(stack):
     assert online["replica"] == 0 and len(online["engines"]) >= 2 and set(online["engines"]) == {0}
     assert offline["replica"] == 10
     assert len(offline["engines"]) >= 2 and set(offline["engines"]) == {10}  # engine core and its worker
+
+
+def test_each_pools_engine_core_runs_beside_its_workers(stack):
+    """vLLM binds a CPU engine's workers to the pool's `cpu_threads_bind` (cores 0 and 1 in
+    this config) and leaves its engine core, which busy-waits for them, free to run anywhere:
+    the pool binds the engine core beside them."""
+    for pool, core in (("online-chat", 0), ("offline-batch", 1)):
+        cores = stack.admin("GET", f"/admin/pools/{pool}/describe").json()["engine_cores"]
+        assert len(cores) >= 2 and all(c == [core] for c in cores), (pool, cores)

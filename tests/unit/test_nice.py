@@ -83,3 +83,70 @@ def test_the_replica_and_its_engines_are_lowered_and_nothing_else():
         for p in (replica, other):
             p.kill()
             p.wait()
+
+
+def _titled(title: str, core: int | None = None) -> subprocess.Popen:
+    """A process titled as vLLM titles its engine's, two threads, bound to `core` before its
+    second thread starts (as vLLM's worker binds itself) if one is given."""
+    bind = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
+    code = f"import setproctitle; setproctitle.setproctitle({title!r}); {bind}{TWO_THREADS}"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def _thread_cores(pid: int) -> list[tuple[int, ...]]:
+    return [tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+@pytest.fixture
+def engine_core():
+    """A process titled as vLLM's engine core, free to run on every core."""
+    proc = _titled("VLLM::EngineCore")
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs two cores to choose from")
+
+
+@two_cores
+def test_the_engine_core_is_bound_beside_its_worker(engine_core):
+    """Every thread of the engine core goes to the cores its worker is bound to; the worker and
+    this process keep theirs."""
+    last = max(os.sched_getaffinity(0))
+    worker = _titled("VLLM::Worker", core=last)
+    try:
+        mine = _thread_cores(os.getpid())
+        assert nice.bind_with_workers([engine_core, worker.pid]) == (last,)
+        assert _thread_cores(engine_core) == [(last,), (last,)]  # every thread, not the process's first
+        assert _thread_cores(worker.pid) == [(last,), (last,)]
+        assert _thread_cores(os.getpid()) == mine
+        assert nice.cores(engine_core) == (last,)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+@two_cores
+def test_an_engine_whose_workers_run_anywhere_is_left_free(engine_core):
+    free = tuple(sorted(os.sched_getaffinity(0)))
+    worker = _titled("VLLM::Worker")
+    try:
+        assert nice.bind_with_workers([engine_core, worker.pid]) is None
+        assert _thread_cores(engine_core) == [free, free]
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+@two_cores
+def test_an_engine_with_no_worker_found_is_left_free(engine_core):
+    """No worker process under the replica (a GPU engine's layout, or one that ended): nothing
+    to bind to, and a process gone is no error."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert nice.bind_with_workers([engine_core, gone.pid]) is None
+    assert _thread_cores(engine_core) == [tuple(sorted(os.sched_getaffinity(0)))] * 2
+    assert nice.cores(gone.pid) is None
