@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -32,12 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from bench.setups import bind_engines
-
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, max_num_seqs=a.seqs,
               max_num_batched_tokens=a.batched, enable_chunked_prefill=True,
               kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)))
-    bind_engines(os.getpid())
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(a.seed)  # random token ids, as `vllm bench serve --dataset-name random` sends
 

@@ -85,33 +85,18 @@ def _deploy_stock(name: str, configs: list) -> str:
     return url
 
 
-def bind_engines(parent: int) -> list[int]:
-    """The engine processes under `parent` (a stock replica, vLLM's server, the raw engine's
-    process), their engine core bound beside its workers as poolserve binds its pools'
-    (`pools.nice.bind_with_workers`): a baseline gets every placement poolserve's engines get."""
-    from pools.nice import bind_with_workers
-    from pools.reaper import descendants, engine_children
-
-    engines = descendants([pid for pid, _ in engine_children(parent)])
-    assert bind_with_workers(engines), f"no engine core to bind beside its workers under {parent}"
-    return engines
-
-
-def _stock_replica(role: str) -> int:
-    [replica] = [pid for pid, r in procs.snapshot().roles.items() if r == f"replica {role}"]
-    return replica
-
-
 def stock_two_pools() -> Target:
     from pools.nice import renice
+    from pools.reaper import descendants, engine_children
 
     cfg = local_config()["pools"]
     url = _deploy_stock("stock", [
         _llm_config("tiny-llama-online", ONLINE_SEQS, 2048, "0", cfg["online-chat"]["stream_batching_ms"]),
         _llm_config("tiny-llama-offline", OFFLINE_SEQS, 4096, "1", cfg["offline-batch"]["stream_batching_ms"])])
-    bind_engines(_stock_replica("stock:LLMServer:tiny-llama-online"))
-    engines = bind_engines(_stock_replica("stock:LLMServer:tiny-llama-offline"))
-    assert renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
+    [replica] = [pid for pid, role in procs.snapshot().roles.items()
+                 if role == "replica stock:LLMServer:tiny-llama-offline"]
+    engines = descendants([pid for pid, _ in engine_children(replica)])
+    assert engines and renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
     return Target("stock-two-pools", url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
 
 
@@ -122,15 +107,12 @@ def stock_online_pool(max_model_len: int) -> Target:
     url = _deploy_stock("stock-online", [_llm_config(
         "tiny-llama-online", e["engine"]["max_num_seqs"], e["engine"]["max_num_batched_tokens"],
         e["engine"]["cpu_threads_bind"], e["stream_batching_ms"], max_model_len)])
-    bind_engines(_stock_replica("stock-online:LLMServer:tiny-llama-online"))
     return Target("stock-online-pool", url, url, online_model="tiny-llama-online")
 
 
 def stock_one_pool() -> str:
     cfg = local_config()["pools"]["offline-batch"]
-    url = _deploy_stock("stock-one", [_llm_config("tiny-llama", CEILING_SEQS, 4096, "1", cfg["stream_batching_ms"])])
-    bind_engines(_stock_replica("stock-one:LLMServer:tiny-llama"))
-    return url
+    return _deploy_stock("stock-one", [_llm_config("tiny-llama", CEILING_SEQS, 4096, "1", cfg["stream_batching_ms"])])
 
 
 def engine_env(core: str) -> dict:
@@ -162,7 +144,6 @@ def vllm_server(log: Path) -> subprocess.Popen:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"vLLM's server did not start: {log.read_text()[-2000:]}")
         time.sleep(1)
-    bind_engines(proc.pid)
     _warm(f"http://127.0.0.1:{VLLM_PORT}/v1", "tiny-llama", "none")
     return proc
 
