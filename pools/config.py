@@ -73,7 +73,9 @@ class EngineConfig(Frozen):
     enforce_eager: bool = Field(False, description="Skip torch.compile / CUDA graphs.")
     block_size: int | None = Field(None, ge=1, description="KV block size (default: vLLM's for the device).")
     cpu_threads_bind: str | None = Field(
-        None, description="VLLM_CPU_OMP_THREADS_BIND for a CPU engine, e.g. '0' or '0-3'.")
+        None, description="VLLM_CPU_OMP_THREADS_BIND for a CPU engine, e.g. '0' or '0-3': vLLM binds its "
+                          "workers to these cores, and the pool binds its engine core beside them (without it, "
+                          "vLLM's `auto` placement keeps a core apart for the engine core).")
 
 
 class ReplicaConfig(Frozen):

@@ -15,22 +15,25 @@ the online replica, and the online tail grew with it (bench/notes.md). Its repor
 autoscaler may come later under a flood; the controller holds a pool it has not heard from and
 logs the gap.
 
-vLLM binds a CPU engine's workers to `cpu_threads_bind`, not its engine core, which between
-steps waits for them in a busy loop (its shared-memory queue yields the CPU and looks again,
-for a second after each read). Left free, that loop spins on the cores the pool's route, the
-HTTP proxy and the other pool need: on a two-core host, while one long stream ran, another
-process waited up to 2.7 s for a core and the stream's lines came in bursts after gaps of
-3-6 s (bench/notes.md). Bound beside its workers, it spins only while they have nothing to run.
+vLLM binds a CPU engine's workers to the cores `cpu_threads_bind` names, not its engine core,
+which between steps waits for them in a busy loop (its shared-memory queue yields the CPU and
+looks again, for a second after each read). Left free, that loop may spin on the cores the
+pool's route, the HTTP proxy and the other pool need: on a two-core host, while one long
+stream ran, another process waited seconds for a core and the stream's lines came in bursts
+after gaps of 1-6 s; bound beside its workers, neither happened (bench/notes.md). Where
+vLLM places the workers itself (`auto`) it keeps a core apart for the engine core, and that
+placement stays.
 
-Nice values and CPU affinity belong to threads on Linux: every thread of the replica and of
-every engine process is set, and threads and processes started later inherit their creator's
-value. Elsewhere than Linux this does nothing.
+Nice values and CPU affinity belong to threads on Linux: every thread of a process changed is
+set, and threads and processes started later inherit their creator's value. Elsewhere than
+Linux this does nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Mapping
 
 from pools.reaper import PROC, descendants, engine_children, title
 
@@ -85,6 +88,13 @@ def niceness(pid: int) -> int | None:
         return os.getpriority(os.PRIO_PROCESS, pid)
     except OSError:
         return None
+
+
+def cores_named(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the engine's workers are bound to cores named for them (`cpu_threads_bind`, or
+    VLLM_CPU_OMP_THREADS_BIND inherited), rather than placed by vLLM (`auto`, which keeps a
+    core apart for the engine core) or left unbound (`nobind`)."""
+    return environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() not in ("", "auto", "nobind")
 
 
 def bind_with_workers(pids: list[int]) -> tuple[int, ...] | None:

@@ -184,7 +184,8 @@ class PoolServer:
         self._engine = engine
         await engine.start()
         self._engine_pids = nice.lower_pool(settings.nice, os.getpid())  # describe() shows the values
-        nice.bind_with_workers(self._engine_pids)
+        if nice.cores_named():
+            nice.bind_with_workers(self._engine_pids)
         self._reaper = reaper.watch()  # the engine processes go with this replica, even when it is SIGKILLed
         started = time.monotonic()
         await engine.warm_up(settings.warmup_requests)

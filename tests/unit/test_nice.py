@@ -121,7 +121,6 @@ def test_the_engine_core_is_bound_beside_its_worker(engine_core):
         mine = _thread_cores(os.getpid())
         assert nice.bind_with_workers([engine_core, worker.pid]) == (last,)
         assert _thread_cores(engine_core) == [(last,), (last,)]  # every thread, not the process's first
-        assert _thread_cores(worker.pid) == [(last,), (last,)]
         assert _thread_cores(os.getpid()) == mine
         assert nice.cores(engine_core) == (last,)
     finally:
@@ -150,3 +149,10 @@ def test_an_engine_with_no_worker_found_is_left_free(engine_core):
     assert nice.bind_with_workers([engine_core, gone.pid]) is None
     assert _thread_cores(engine_core) == [tuple(sorted(os.sched_getaffinity(0)))] * 2
     assert nice.cores(gone.pid) is None
+
+
+@pytest.mark.parametrize("bind, named", [("0", True), ("0-3", True), ("0-1|2-3", True), ("auto", False),
+                                         ("nobind", False), ("", False), (None, False)])
+def test_only_cores_named_for_the_workers_bind_the_engine_core(bind, named):
+    """vLLM's `auto` placement keeps a core apart for the engine core: that stays as it is."""
+    assert nice.cores_named({} if bind is None else {"VLLM_CPU_OMP_THREADS_BIND": bind}) is named
