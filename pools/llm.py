@@ -90,12 +90,11 @@ class Rendering(NamedTuple):
 
 
 class PromptRenderer:
-    """vLLM's own engine-less renderer, configured as the pool engines are, so the router
-    counts exactly the prompt tokens an engine will see: the chat template with `tools`,
-    `documents`, `chat_template_kwargs`, assistant `tool_calls`, every content part,
-    truncation and special tokens, as vLLM renders them (Ray LLM's pre-routing tokenizer
-    builds one alike, without the reasoning parser). Building it loads the tokenizer and model config (a
-    fraction of a second); each count renders one deep copy of the request, and keeps the
+    """vLLM's own engine-less renderer, configured as the pool engines are, so the router counts exactly the
+    prompt tokens an engine will see: the chat template with `tools`, `documents`, `chat_template_kwargs`,
+    assistant `tool_calls`, every content part, truncation and special tokens, as vLLM renders them (Ray LLM's
+    pre-routing tokenizer builds one alike, without the reasoning parser). Building it loads the tokenizer and
+    model config (a fraction of a second); each count renders one deep copy of the request, and keeps the
     `Rendering` for an engine in the same process (`RayLLMEngine.generate`)."""
 
     def __init__(self, llm_config: Any) -> None:
@@ -108,10 +107,12 @@ class PromptRenderer:
 
         _, vllm_config = _get_vllm_engine_config(llm_config, device_type="cpu")
         frontend = FrontendArgs(**llm_config.get_engine_config().frontend_kwargs)
-        self._model_config = vllm_config.model_config
+        self._model_config = model = vllm_config.model_config
         self._sampling_defaults = self._model_config.get_diff_sampling_param()  # reads generation_config.json
+        base = renderer_from_config(vllm_config)
+        self._top_id = None if (tok := base.tokenizer) is None else max(tok.max_token_id, model.get_vocab_size() - 1)
         self._renderer = OnlineRenderer(
-            self._model_config, renderer_from_config(vllm_config), request_logger=None,
+            self._model_config, base, request_logger=None,
             chat_template=load_chat_template(frontend.chat_template),
             chat_template_content_format=frontend.chat_template_content_format,
             trust_request_chat_template=frontend.trust_request_chat_template,
@@ -145,6 +146,9 @@ class PromptRenderer:
             raise PromptError(f"{type(e).__name__}: {e}") from None
         if isinstance(inputs, ErrorResponse):
             raise PromptError(inputs.error.message)
+        for ids in filter(None, (x.get("prompt_token_ids") for x in inputs if self._top_id is not None)):
+            if (bad := min(ids)) < 0 or (bad := max(ids)) > self._top_id:  # vLLM checks once a gate admitted it
+                raise PromptError(f"Token id {bad} is out of vocabulary (0 to {self._top_id})")
         return CountedPrompt(sum(extract_prompt_len(self._model_config, x) for x in inputs), Rendering(request, result))
 
     def _check_sampling(self, kind: str, request: Any) -> None:
@@ -173,10 +177,9 @@ def asked_tokens(kind: str, body: Any) -> tuple[int | None, str]:
 
 
 class RayLLMEngine:
-    """`pools.engine.Engine` on ray.serve.llm's VLLMEngine, with a stat logger that keeps
-    vLLM's scheduler figures (running, waiting, KV usage, preemptions, generated tokens,
-    engine-side latencies) in a `StatsBox`, and streams batched every `stream_batching_ms`
-    after the first item."""
+    """`pools.engine.Engine` on ray.serve.llm's VLLMEngine, with a stat logger that keeps vLLM's scheduler
+    figures (running, waiting, KV usage, preemptions, generated tokens, engine-side latencies) in a `StatsBox`,
+    and streams batched every `stream_batching_ms` after the first item."""
 
     START_TIMEOUT_S = 3600.0
 
@@ -227,9 +230,9 @@ class RayLLMEngine:
                                             c.scheduler_config.enable_chunked_prefill))
 
     def generate(self, call: Any):
-        """The engine's stream for a call; a call the route rendered in this process runs the
-        request its renderer left, and the engine's serving layer takes the rendering instead
-        of rendering the prompt a second time."""
+        """The engine's stream for a call; a call the route rendered in this process runs the request its
+        renderer left, and the engine's serving layer takes the rendering instead of rendering the prompt a
+        second time."""
         from pools.streams import batched, whole_answer
 
         rendering = call.rendered
@@ -271,9 +274,8 @@ class RayLLMEngine:
         await self._engine.check_health()
 
     async def shutdown(self) -> None:
-        """Ray LLM's own shutdown only closes a token channel; vLLM's engine processes stop with
-        the AsyncLLM's (they would otherwise outlive a replica stopped gracefully until the
-        reaper saw it go)."""
+        """Ray LLM's own shutdown only closes a token channel; vLLM's engine processes stop with the AsyncLLM's
+        (they would otherwise outlive a replica stopped gracefully until the reaper saw it go)."""
         if self._engine is not None:
             await self._engine.shutdown()
             if (client := getattr(self._engine, "_engine_client", None)) is not None:
@@ -281,13 +283,12 @@ class RayLLMEngine:
 
 
 class _Handover:
-    """Stands in for the engine's serving-layer renderer (vLLM's `OnlineRenderer`): a request
-    held here, matched by identity, gets back what the route's renderer made of it, once;
-    every other request is rendered as before. The serving layer's own checks (model,
-    preflight) still run; only the template and the tokenizer's second pass are saved. The
-    inputs arrive when they are handed over: vLLM stamps an input's arrival when it renders
-    it, and the engine measures TTFT from that stamp (the autoscaler's engine TTFT, which
-    must not hold the gate's queue) and orders a priority class by it."""
+    """Stands in for the engine's serving-layer renderer (vLLM's `OnlineRenderer`): a request held here, matched
+    by identity, gets back what the route's renderer made of it, once; every other request is rendered as
+    before. The serving layer's own checks (model, preflight) still run; only the template and the tokenizer's
+    second pass are saved. The inputs arrive when they are handed over: vLLM stamps an input's arrival when it
+    renders it, and the engine measures TTFT from that stamp (the autoscaler's engine TTFT, which must not hold
+    the gate's queue) and orders a priority class by it."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -339,11 +340,10 @@ class _Handover:
 
 
 def needs_node_download(llm_config: Any) -> bool:
-    """Whether Ray LLM's node initialisation has work to do before an engine starts. It runs
-    a task on the engine's node that copies the model from cloud storage (s3://, gs://, a
-    mirror); for a directory or a hub id (which vLLM fetches itself) the task only returns
-    the source, yet starts a Ray worker that imports torch first: seconds of every replica
-    start."""
+    """Whether Ray LLM's node initialisation has work to do before an engine starts. It runs a task on the
+    engine's node that copies the model from cloud storage (s3://, gs://, a mirror); for a directory or a hub id
+    (which vLLM fetches itself) the task only returns the source, yet starts a Ray worker that imports torch
+    first: seconds of every replica start."""
     from ray.llm._internal.common.utils.cloud_utils import is_remote_path
 
     engine_config = llm_config.get_engine_config()

@@ -125,6 +125,22 @@ def test_sampling_parameters_the_engine_would_refuse_never_reach_the_gate(stack,
     assert (after["admitted"], after["rejected"]) == (before["admitted"], before["rejected"])
 
 
+@pytest.mark.parametrize("prompt", [[9999999], [[5, 6, 9999999]]], ids=["flat", "nested"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_prompt_token_outside_the_vocabulary_never_reaches_the_gate(stack, prompt, stream):
+    """vLLM's input processor refused it only once the gate had admitted it, as a 400 naming no
+    field: the route refuses it first, naming `prompt` (a negative id is refused by the request
+    model already)."""
+    before = stack.fresh_replica("online-chat")
+    r = post(stack, COMPLETIONS, {"prompt": prompt, "max_tokens": 2, "stream": stream})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and err["param"] == "prompt", err
+    assert "Token id 9999999 is out of vocabulary" in err["message"], err
+    after = stack.fresh_replica("online-chat")
+    assert (after["admitted"], after["rejected"]) == (before["admitted"], before["rejected"])
+
+
 def test_logprobs_come_back_as_the_openai_api_returns_them(stack):
     client = stack.client("chat")
     messages = [{"role": "user", "content": "Which tokens were likely?"}]
