@@ -1,14 +1,19 @@
-"""Does binding each pool's engine core beside its workers keep a long stream flowing?
+"""Does binding each pool's engine core beside its workers keep a long stream flowing, and
+what does it do to the offline pool's throughput?
 
-One `poolserve serve` of the embedded default, as a user starts it; rounds of one 1,500-token
-online stream, with nothing else sent, in a seeded shuffled order of two arms: `bound` (every
-thread of each pool's engine core on its workers' cores, as `pools.nice.bind_with_workers`
-leaves them) or `free` (on every core, as vLLM leaves them). Beside each stream a heartbeat
-process in a session of its own sleeps 20 ms at a time and records how late it woke: what any
-other process on the host gets. Each round's arrival time of every stream line and every
-heartbeat lateness go to bench/results/raw/<run>-engine-binding/; `--summarize DIR` prints,
-per arm, the streams' durations and longest gaps and the heartbeat's worst lateness, and free
-over bound with 95% bootstrap intervals over rounds and lines.
+One `poolserve serve` of deployments/configs/local.yaml, as a user starts it; rounds of one
+1,500-token online stream, with nothing else sent, in a seeded shuffled order of two arms:
+`bound` (every thread of each pool's engine core on its workers' cores, as
+`pools.nice.bind_with_workers` leaves them) or `free` (on every core, as vLLM leaves them).
+Beside each stream a heartbeat process in a session of its own sleeps 20 ms at a time and
+records how late it woke: what any other process on the host gets. Each round's arrival time of
+every stream line and every heartbeat lateness go to bench/results/raw/<run>-engine-binding/;
+`--summarize DIR` prints, per arm, the streams' durations, longest gaps and gaps above 0.3 s,
+the heartbeat's worst lateness and the offline tok/s, and free over bound with 95% bootstrap
+intervals (over rounds, and for gaps and lateness over the lines and wake-ups inside them too).
+Then as many rounds of each arm, shuffled the same way, of the offline pool's throughput: 128
+whole completions (a 150-word prompt, 128 tokens each) kept 32 at a time by one asyncio client,
+each request's time and tokens saved.
 
 The diagnostic behind the binding (bench/notes.md), not a target of any issue.
 
@@ -44,7 +49,7 @@ HEARTBEAT = ("import sys, time\nout, end = open(sys.argv[1], 'w', buffering=1), 
 
 
 def serve(log: Path) -> subprocess.Popen:
-    """`poolserve serve` of the embedded default in a session of its own, once it answers."""
+    """`poolserve serve` of `CONFIG` in a session of its own, once it answers."""
     with open(log, "w") as out:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "poolserve"), "serve", str(CONFIG)],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,6 +120,36 @@ def stream_round(raw: Path) -> dict:
     return summary(lines, late)
 
 
+def throughput_round(raw: Path, seed: int, requests: int = 128, concurrency: int = 32) -> dict:
+    """The offline pool's output tokens a second over `requests` whole completions kept
+    `concurrency` at a time; each request's start, end and tokens saved in `raw`."""
+    import asyncio
+
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(150)) for _ in range(requests)]
+
+    async def go() -> list[dict]:
+        gate, done, t0 = asyncio.Semaphore(concurrency), [], time.monotonic()
+        async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {KEYS['batch']}"}) as c:
+            async def one(prompt: str) -> None:
+                async with gate:
+                    start = time.monotonic() - t0
+                    r = await c.post(f"{BASE}/offline/v1/completions", json={
+                        "model": "tiny-llama", "prompt": prompt, "max_tokens": 128, "ignore_eos": True})
+                    r.raise_for_status()
+                    done.append({"start_s": start, "end_s": time.monotonic() - t0,
+                                 "tokens": r.json()["usage"]["completion_tokens"]})
+            await asyncio.gather(*(one(p) for p in prompts))
+        return done
+
+    done = asyncio.run(go())
+    raw.write_text(json.dumps(done))
+    return {"requests": len(done), "output_tok_s": sum(d["tokens"] for d in done) / max(d["end_s"] for d in done)}
+
+
+WORDS = ("alpha", "beta", "queue", "token", "batch", "core")
+
+
 def summary(lines: list[float], late: list[float]) -> dict:
     gaps = [b - a for a, b in zip(lines, lines[1:])]
     return {"lines": len(lines), "duration_s": lines[-1], "longest_gap_s": max(gaps),
@@ -124,7 +159,7 @@ def summary(lines: list[float], late: list[float]) -> dict:
 def run(rounds: int, seed: int) -> Path:
     raw = RESULTS / "raw" / f"{time.strftime('%Y%m%d-%H%M%S')}-engine-binding"
     raw.mkdir(parents=True)
-    started, results = time.monotonic(), []
+    started, results, throughput = time.monotonic(), [], []
     order = [arm for _ in range(rounds) for arm in ("bound", "free")]
     random.Random(seed).shuffle(order)
 
@@ -148,13 +183,22 @@ def run(rounds: int, seed: int) -> Path:
             (raw / "results.json").write_text(json.dumps({"seed": seed, "rounds": results}, indent=1))
             step(f"round {i}: {arm}: {r['duration_s']:.1f} s, longest gap {r['longest_gap_s']:.2f} s, "
                  f"heartbeat worst {r['heartbeat_worst_late_s']:.2f} s")
+        for i, arm in enumerate(order):
+            cores = set_arm(arm, pools)
+            procs.wait_quiet(quiet)
+            r = throughput_round(raw / f"tput-{i:02d}-{arm}.json", seed + i)
+            throughput.append({"round": i, "arm": arm, "engine_cores": cores, **r})
+            (raw / "results.json").write_text(json.dumps({"seed": seed, "rounds": results, "throughput": throughput},
+                                                         indent=1))
+            step(f"throughput round {i}: {arm}: {r['output_tok_s']:.0f} output tok/s")
     finally:
         stop(proc)
     return raw
 
 
 def summarize(raw: Path) -> dict:
-    rounds = json.loads((raw / "results.json").read_text())["rounds"]
+    saved = json.loads((raw / "results.json").read_text())
+    rounds = saved["rounds"]
     data = {arm: [json.loads((raw / f"{r['round']:02d}-{arm}.json").read_text()) for r in rounds if r["arm"] == arm]
             for arm in ("bound", "free")}
     per_arm = {arm: {key: [round(r[key], 2) for r in rounds if r["arm"] == arm]
@@ -166,6 +210,11 @@ def summarize(raw: Path) -> dict:
                                                  [[x] for x in per_arm["bound"]["duration_s"]], intervals.mean),
               "longest gap between lines": intervals.ratio(gaps["free"], gaps["bound"], max),
               "heartbeat's worst lateness": intervals.ratio(late["free"], late["bound"], max)}
+    tput = {arm: [[r["output_tok_s"]] for r in saved.get("throughput", []) if r["arm"] == arm] for arm in data}
+    if all(tput.values()):
+        ratios["offline output tok/s"] = intervals.ratio(tput["free"], tput["bound"], intervals.mean)
+        for arm in data:
+            per_arm[arm]["offline_output_tok_s"] = [round(x) for [x] in tput[arm]]
     return {"per_arm": per_arm, "free_over_bound": {k: str(v) for k, v in ratios.items()}}
 
 
