@@ -92,10 +92,7 @@ def set_arm(arm: str, pools: dict[str, list[int]]) -> list[tuple[int, ...] | Non
         if arm == "bound":
             assert nice.bind_with_workers(pids), f"nothing to bind in {pids}: no cpu_threads_bind in {CONFIG}?"
             continue
-        for pid in pids:
-            if not title(pid).startswith(nice.WORKER_PREFIX):
-                for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-                    os.sched_setaffinity(tid, every)
+        nice.bind([pid for pid in pids if not title(pid).startswith(nice.WORKER_PREFIX)], every)
     return [nice.cores(pid) for pids in pools.values() for pid in pids]
 
 

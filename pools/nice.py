@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 from pools.reaper import PROC, descendants, engine_children, title
 
@@ -43,12 +43,22 @@ log = logging.getLogger(__name__)
 
 
 def renice(pids: list[int], nice: int) -> int:
-    """Raise every thread of `pids` to at least `nice`; the number of threads changed. Passes
-    again until one changes nothing: a thread started during a pass by one not yet raised
-    would keep its creator's value, and hand it on."""
+    """Raise every thread of `pids` to at least `nice`; the number of threads changed."""
+    return _each_thread(pids, lambda tid: _raise(tid, nice))
+
+
+def bind(pids: list[int], bound: set[int]) -> int:
+    """Bind every thread of `pids` to the cores `bound`; the number of threads changed."""
+    return _each_thread(pids, lambda tid: _bind(tid, bound))
+
+
+def _each_thread(pids: list[int], step: Callable[[int], bool]) -> int:
+    """`step` on every thread of `pids`, passing again until a pass changes nothing: a thread
+    started during a pass by one not yet changed would keep its creator's value, and hand it
+    on. The number of changes."""
     changed = 0
     for _ in range(8):  # a few passes at most: a process starts threads in bursts, not for ever
-        more = sum(_raise(tid, nice) for pid in pids for tid in _threads(pid))
+        more = sum(step(tid) for pid in pids for tid in _threads(pid))
         changed += more
         if not more:
             break
@@ -99,17 +109,13 @@ def cores_named(environ: Mapping[str, str] = os.environ) -> bool:
 
 def bind_with_workers(pids: list[int]) -> tuple[int, ...] | None:
     """Bind every thread of the engine processes `pids` but vLLM's workers to the cores its
-    workers are bound to; those cores, or None where the workers may run wherever this
-    process may (no `cpu_threads_bind`) or there are none."""
+    workers are bound to; those cores, or None where no worker is found or the workers may run
+    on every core this process may (the caller binds only where `cores_named`)."""
     workers = [p for p in pids if title(p).startswith(WORKER_PREFIX)]
     bound = set().union(*(cores(p) or () for p in workers))
     if not bound or bound >= set(cores(os.getpid()) or ()):
         return None
-    for pid in pids:
-        if pid not in workers:
-            for _ in range(8):  # as `renice`: a thread started during a pass keeps its creator's cores
-                if not sum(_bind(tid, bound) for tid in _threads(pid)):
-                    break
+    bind([p for p in pids if p not in workers], bound)
     log.info("engine processes %s bound to cores %s, beside their workers", pids, sorted(bound))
     return tuple(sorted(bound))
 

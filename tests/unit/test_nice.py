@@ -151,6 +151,17 @@ def test_an_engine_with_no_worker_found_is_left_free(engine_core):
     assert nice.cores(gone.pid) is None
 
 
+@two_cores
+def test_bind_sets_every_thread_and_counts_only_changes(engine_core):
+    """What the engine-binding benchmark uses to free a bound engine core again."""
+    every = set(os.sched_getaffinity(0))
+    last = {max(every)}
+    assert nice.bind([engine_core], last) == 2
+    assert nice.bind([engine_core], last) == 0
+    assert nice.bind([engine_core], every) == 2
+    assert _thread_cores(engine_core) == [tuple(sorted(every))] * 2
+
+
 @pytest.mark.parametrize("bind, named", [("0", True), ("0-3", True), ("0-1|2-3", True), ("auto", False),
                                          ("nobind", False), ("", False), (None, False)])
 def test_only_cores_named_for_the_workers_bind_the_engine_core(bind, named):
