@@ -14,17 +14,19 @@ The parity flood, the same for both set-ups:
   poolserve: the embedded default with both pools pinned at those limits (no calibration
   sweeps). stock-two-pools: two LLMConfigs behind one ray.serve.llm OpenAiIngress with those
   engine ceilings, cores, stream batching and nice, and ray.serve.llm's default
-  `max_ongoing_requests`, as a user deploys it. Both stay deployed for the flood rounds and
-  take turns in a shuffled order (the seed is recorded); before each round the machine is
-  quiet, and the idle set-up's CPU use is measured with the rest.
+  `max_ongoing_requests`, as a user deploys it, its engine cores free or bound (two arms, see
+  bench/setups.py). Both stay deployed for the flood rounds and take turns in a shuffled order
+  (the seed is recorded); before each round the machine is quiet, and the idle set-up's CPU
+  use is measured with the rest.
 
 The ceiling: `vllm bench serve`, random CEILING_LENGTHS tokens, CEILING_PROMPTS prompts at
 concurrency CEILING_CONCURRENCY, against one engine on core 1 with 64 sequences, 4,096 batched
 tokens and 1 GiB of KV cache: vLLM's offline `LLM.generate` (the raw engine), vLLM's own
 OpenAI server, poolserve's offline pool pinned at 64, and stock ray.serve.llm with one
 LLMConfig; a batch job (`deployments.batch_job`) through poolserve's offline pool; and TTFT
-at concurrency 1 against poolserve's online pool and the bare server. Every set-up runs on
-the same Ray, with Serve's HTTP entry as the embedded default sets it (`ray.haproxy`).
+at concurrency 1 against poolserve's online pool and the bare server; every baseline in both
+arms. Every set-up runs on the same Ray, with Serve's HTTP entry as the embedded default sets
+it (`ray.haproxy`).
 
 Raw data of every round goes to bench/results/raw/<run>/: each request's timings (the load
 generator's JSON lines, `vllm bench serve --save-detailed`), the CPU seconds of every process by
@@ -53,6 +55,7 @@ from pathlib import Path
 from bench import procs, verdicts
 from bench.common import KEYS, REPO, RESULTS, compress, ray_cluster, write_result
 from bench.setups import (
+    BOUND,
     CEILING_SEQS,
     OFFLINE_SEQS,
     ONLINE_SEQS,
@@ -61,6 +64,7 @@ from bench.setups import (
     engine_env,
     model,
     pin,
+    place_baseline,
     poolserve,
     stock_one_pool,
     stock_two_pools,
@@ -188,45 +192,47 @@ def _vllm_bench(url: str, endpoint: str, key: str, lengths: tuple[int, int], pro
 
 
 def round_seeds(order: list[str]) -> list[int]:
-    """The prompts' seed of each round in `order`: the k-th round of every path sends the same
-    prompts, and no path sends a round's prompts twice. With one seed for all, an engine that
-    stays up between rounds found the prompts of its earlier rounds in its prefix cache and
-    skipped their prefill, and the fresh raw engine never did (run 20261203-134502: vLLM's server
-    and stock one pool 7% and 11% above their first round in their later ones)."""
+    """The prompts' seed of each round in `order`: the k-th round on every engine (a baseline's
+    two arms are one) sends the same prompts, and no engine is sent a round's prompts twice. With
+    one seed for all, an engine that stays up between rounds found the prompts of its earlier
+    rounds in its prefix cache and skipped their prefill, and the fresh raw engine never did (run
+    20261203-134502: vLLM's server and stock one pool 7% and 11% above their first round)."""
     seeds, sent = [], collections.Counter()
-    for path in order:
+    for path in (name.removesuffix(BOUND) for name in order):
         seeds.append(sent[path])
         sent[path] += 1
     return seeds
 
 
-def ceiling_round(name: str, raw: Path, seed: int) -> dict:
-    """One ceiling measurement of the path `name` on the prompts of `seed`, with the CPU each process used."""
+def ceiling_round(name: str, raw: Path, seed: int, server: int | None = None) -> dict:
+    """One ceiling measurement of the path `name` on the prompts of `seed`, with the CPU each
+    process used; `server` is vLLM's server's pid, placed as the arm says before its rounds."""
     prompts, conc = CEILING_PROMPTS, CEILING_CONCURRENCY
+    path, placement, cores = place_baseline(name, server)
     before, t0 = procs.snapshot(), time.monotonic()
-    if name == "raw-engine":
+    if path == "raw-engine":
         run = subprocess.run([sys.executable, "-m", "bench.raw_engine", "--model", model(),
                               "--prompts", str(prompts), "--input", str(CEILING_LENGTHS[0]),
                               "--output", str(CEILING_LENGTHS[1]), "--seqs", str(CEILING_SEQS),
-                              "--seed", str(seed), "--out", str(raw.with_suffix(".json"))],
+                              "--seed", str(seed), "--placement", placement, "--out", str(raw.with_suffix(".json"))],
                              cwd=REPO, env=engine_env("1"), capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"raw engine failed: {run.stderr[-2000:]}")
         out = json.loads(raw.with_suffix(".json").read_text())
-        return {"output_tok_s": out["output_tok_s"], "output_tokens": out["output_tokens"]}
+        return {k: out[k] for k in ("output_tok_s", "output_tokens", "engine_cores")}
     if name == "batch-job":
         return _batch_job(raw, seed)
     url, endpoint, key = {
         "vllm-server": (f"http://127.0.0.1:{VLLM_PORT}", "/v1/completions", "none"),
         "poolserve": ("http://127.0.0.1:8000", "/offline/v1/completions", KEYS["batch"]),
         "stock-one-pool": ("http://127.0.0.1:8000", "/stock-one/v1/completions", "none"),
-    }[name]
+    }[path]
     out = _vllm_bench(url, endpoint, key, CEILING_LENGTHS, prompts, conc, raw.with_suffix(".json"), seed)
     cpu = procs.cpu_by_role(before, procs.snapshot())
     seconds = time.monotonic() - t0
     return {"output_tok_s": out["output_throughput"], "output_tokens": out["total_output_tokens"],
             "cpu_s_per_1k_tokens": {k: 1000 * v / out["total_output_tokens"] for k, v in cpu.items()},
-            "wall_s": seconds}
+            "wall_s": seconds, "engine_cores": cores}
 
 
 def _batch_job(raw: Path, seed: int) -> dict:
@@ -255,12 +261,13 @@ def _batch_job(raw: Path, seed: int) -> dict:
             "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in cpu.items()}, "wall_s": seconds}
 
 
-def c1_round(name: str, raw: Path, seed: int) -> dict:
+def c1_round(name: str, raw: Path, seed: int, server: int | None = None) -> dict:
+    path, _, cores = place_baseline(name, server)
     url, endpoint, key = {"vllm-server": (f"http://127.0.0.1:{VLLM_PORT}", "/v1/completions", "none"),
-                          "poolserve": ("http://127.0.0.1:8000", "/online/v1/completions", KEYS["chat"])}[name]
+                          "poolserve": ("http://127.0.0.1:8000", "/online/v1/completions", KEYS["chat"])}[path]
     out = _vllm_bench(url, endpoint, key, ONLINE_LENGTHS, C1_PROMPTS, 1, raw.with_suffix(".json"), seed)
     return {"ttft_p50_ms": out["median_ttft_ms"], "ttft_p99_ms": out["p99_ttft_ms"],
-            "tpot_p50_ms": out["median_tpot_ms"]}
+            "tpot_p50_ms": out["median_tpot_ms"], "engine_cores": cores}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -300,6 +307,7 @@ def run(rounds: int, ceiling_rounds: int, seed: int, parts: tuple[str, ...] = PA
         if "flood" in parts:
             step("deploy the stock two pools")
             targets["stock-two-pools"] = stock_two_pools()
+            targets["stock-two-pools" + BOUND] = targets["stock-two-pools"]
             order = [s for _ in range(rounds) for s in targets]
             rng.shuffle(order)
             out["flood_order"] = order
@@ -308,8 +316,9 @@ def run(rounds: int, ceiling_rounds: int, seed: int, parts: tuple[str, ...] = PA
             for i, name in enumerate(order):
                 procs.wait_quiet(quiet)
                 step(f"flood round {i}: {name}")
+                cores = place_baseline(name)[2]
                 r = flood_round(targets[name], raw / f"flood-{i:02d}-{name}", stack if name == "poolserve" else None)
-                out["flood"].append({"round": i, "setup": name, **r})
+                out["flood"].append({"round": i, "setup": name, "engine_cores": cores, **r})
                 _keep(out, raw)
                 step(f"  online TTFT P99 {r['online_ttft_ms']['p99']:.0f} ms, TPOT P99 "
                      f"{r['online_tpot_ms']['p99']:.1f} ms, offline {r['offline_tok_s']:.0f} tok/s")
@@ -323,11 +332,11 @@ def run(rounds: int, ceiling_rounds: int, seed: int, parts: tuple[str, ...] = PA
         try:
             pin(stack, ONLINE_SEQS, CEILING_SEQS)
             if "ceiling" in parts:
-                _ceiling_rounds(out, ceiling_rounds, rng, raw, quiet, step)
-            c1 = ["vllm-server", "poolserve"] * ceiling_rounds if "c1" in parts else []
+                _ceiling_rounds(out, ceiling_rounds, rng, raw, quiet, step, server.pid)
+            c1 = ["vllm-server", "vllm-server" + BOUND, "poolserve"] * ceiling_rounds if "c1" in parts else []
             for i, (name, prompts) in enumerate(zip(c1, round_seeds(c1))):
                 procs.wait_quiet(quiet)
-                r = c1_round(name, raw / f"c1-{i:02d}-{name}", prompts)
+                r = c1_round(name, raw / f"c1-{i:02d}-{name}", prompts, server.pid)
                 out["c1"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
                 _keep(out, raw)
                 step(f"concurrency 1, {name}: TTFT P50 {r['ttft_p50_ms']:.1f} ms")
@@ -344,15 +353,16 @@ def run(rounds: int, ceiling_rounds: int, seed: int, parts: tuple[str, ...] = PA
     return out
 
 
-def _ceiling_rounds(out: dict, rounds: int, rng: random.Random, raw: Path, quiet: float, step) -> None:
-    paths = ["raw-engine", "vllm-server", "poolserve", "stock-one-pool", "batch-job"]
+def _ceiling_rounds(out: dict, rounds: int, rng: random.Random, raw: Path, quiet: float, step, server: int) -> None:
+    baselines = ["raw-engine", "vllm-server", "stock-one-pool"]
+    paths = [*baselines, *(b + BOUND for b in baselines), "poolserve", "batch-job"]
     order = [p for _ in range(rounds) for p in paths]
     rng.shuffle(order)
     out["ceiling_order"] = order
     for i, (name, prompts) in enumerate(zip(order, round_seeds(order))):
         procs.wait_quiet(quiet)
         step(f"ceiling round {i}: {name}")
-        r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}", prompts)
+        r = ceiling_round(name, raw / f"ceiling-{i:02d}-{name}", prompts, server)
         out["ceiling"].append({"round": i, "path": name, "prompt_seed": prompts, **r})
         _keep(out, raw)
         step(f"  {r['output_tok_s']:.0f} output tok/s")

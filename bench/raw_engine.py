@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -25,15 +26,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
+    p.add_argument("--placement", choices=("free", "bound"), default="free",
+                   help="the engine core as vLLM leaves it, or bound beside its workers (bench.setups.place)")
     p.add_argument("--out", required=True, help="where the result's JSON goes")
     a = p.parse_args(argv)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from bench.setups import place
+
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, max_num_seqs=a.seqs,
               max_num_batched_tokens=a.batched, enable_chunked_prefill=True,
               kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)))
+    cores = place(os.getpid(), a.placement)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(a.seed)  # random token ids, as `vllm bench serve --dataset-name random` sends
 
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     with open(a.out, "w") as f:
         json.dump({"requests": len(outs), "output_tokens": tokens, "seconds": seconds,
-                   "output_tok_s": tokens / seconds}, f)
+                   "output_tok_s": tokens / seconds, "engine_cores": cores}, f)
     return 0
 
 

@@ -1,6 +1,12 @@
 """The set-ups the ceiling benchmark compares, each as a user would deploy it, with the same
 engine ceilings, cores, stream batching and CPU priority: poolserve, stock ray.serve.llm (two
-pools, or one), vLLM's own OpenAI server. See bench/ceiling.py."""
+pools, or one), vLLM's own OpenAI server. See bench/ceiling.py.
+
+Each baseline runs in two placements of its engine core, measured as two arms: `free`, as vLLM
+leaves it (its workers bound, the engine core on every core), and `bound` beside its workers, as
+poolserve binds its pools' (`pools.nice.bind_with_workers`). Which serves a baseline better
+depends on the load and the host (bench/notes.md), so the verdicts compare poolserve with the
+stronger arm of each."""
 
 from __future__ import annotations
 
@@ -19,6 +25,45 @@ from bench.common import KEYS, deploy, local_config, variant
 ONLINE_SEQS, OFFLINE_SEQS, OFFLINE_NICE = 16, 32, 10
 CEILING_SEQS = 64
 VLLM_PORT = 8100
+BOUND = "-bound"  # a baseline's name with its engine core bound beside its workers; without: free
+
+
+def arm(name: str) -> tuple[str, str]:
+    """A path or set-up's name as (baseline, placement): `vllm-server-bound` is vLLM's server
+    with its engine core bound."""
+    return (name[:-len(BOUND)], "bound") if name.endswith(BOUND) else (name, "free")
+
+
+def place(parent: int, placement: str) -> list[tuple[int, ...] | None]:
+    """The engine processes under `parent` (a stock replica, vLLM's server, the raw engine's
+    process) with their engine core bound beside its workers or free on every core this process
+    may use; the cores each engine process then has."""
+    from pools import nice
+    from pools.reaper import descendants, engine_children, title
+
+    engines = descendants([pid for pid, _ in engine_children(parent)])
+    if placement == "bound":
+        assert nice.bind_with_workers(engines), f"no engine core to bind beside its workers under {parent}"
+    else:
+        nice.bind([p for p in engines if not title(p).startswith(nice.WORKER_PREFIX)], os.sched_getaffinity(0))
+    return [nice.cores(p) for p in engines]
+
+
+def place_baseline(name: str, server: int | None = None) -> tuple[str, str, list]:
+    """Before a round of `name` (a set-up or a path, see `arm`): a baseline's engine processes
+    placed as its arm says (`server`: vLLM's server's pid; the raw engine places its own);
+    poolserve's as they are. The baseline's name, the placement, and the cores of each engine
+    process placed, for the round's record."""
+    path, placement = arm(name)
+    parents = {"stock-two-pools": lambda: [stock_replica(r) for r in STOCK_TWO.values()],
+               "stock-one-pool": lambda: [stock_replica(STOCK_ONE)], "vllm-server": lambda: [server]}
+    return path, placement, [cores for parent in parents.get(path, list)() for cores in place(parent, placement)]
+
+
+def stock_replica(role: str) -> int:
+    """The pid of the stock replica `role` (as `bench.procs` names it, without "replica ")."""
+    [replica] = [pid for pid, r in procs.snapshot().roles.items() if r == f"replica {role}"]
+    return replica
 
 
 @dataclass(frozen=True)
@@ -85,6 +130,10 @@ def _deploy_stock(name: str, configs: list) -> str:
     return url
 
 
+STOCK_TWO = {"online": "stock:LLMServer:tiny-llama-online", "offline": "stock:LLMServer:tiny-llama-offline"}
+STOCK_ONE = "stock-one:LLMServer:tiny-llama"
+
+
 def stock_two_pools() -> Target:
     from pools.nice import renice
     from pools.reaper import descendants, engine_children
@@ -93,9 +142,7 @@ def stock_two_pools() -> Target:
     url = _deploy_stock("stock", [
         _llm_config("tiny-llama-online", ONLINE_SEQS, 2048, "0", cfg["online-chat"]["stream_batching_ms"]),
         _llm_config("tiny-llama-offline", OFFLINE_SEQS, 4096, "1", cfg["offline-batch"]["stream_batching_ms"])])
-    [replica] = [pid for pid, role in procs.snapshot().roles.items()
-                 if role == "replica stock:LLMServer:tiny-llama-offline"]
-    engines = descendants([pid for pid, _ in engine_children(replica)])
+    engines = descendants([pid for pid, _ in engine_children(stock_replica(STOCK_TWO["offline"]))])
     assert engines and renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
     return Target("stock-two-pools", url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
 

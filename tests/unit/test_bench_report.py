@@ -164,6 +164,8 @@ def test_no_ceiling_path_sends_the_prompts_of_one_of_its_rounds_again():
     for path, seed in zip(order, seeds):
         by_path.setdefault(path, []).append(seed)
     assert by_path == {"raw-engine": [0, 1], "poolserve": [0, 1, 2], "batch-job": [0, 1]}
+    # a baseline's two arms are one engine: vLLM's server, free then bound, never gets a round's prompts twice
+    assert ceiling.round_seeds(["vllm-server", "vllm-server-bound", "poolserve", "vllm-server-bound"]) == [0, 1, 0, 2]
 
 
 def test_a_ceiling_run_of_some_parts_stays_out_of_the_doc(monkeypatch):
@@ -181,3 +183,32 @@ def test_a_ceiling_run_of_some_parts_stays_out_of_the_doc(monkeypatch):
     assert ran == [(("c1",), quick), (("flood", "c1"), quick), (ceiling.PARTS, ceiling.RESULTS),
                    (ceiling.PARTS, ceiling.RESULTS)]
     assert wrote == [("ceiling", results) for _, results in ran]
+
+
+def test_each_baseline_arm_is_a_column_and_the_raw_engine_ratio_takes_the_stronger():
+    """A baseline measured with its engine core free and bound: the flood shows both arms beside
+    poolserve, and the ceiling's ratio to the raw engine is to its faster arm."""
+    from bench.report_ceiling import ceiling_section
+
+    flood = {"setup": "poolserve", "online_ttft_ms": {"p99": 10, "p50": 5}, "online_tpot_ms": {"p99": 2},
+             "online_errors": 0, "offline_tok_s": 50, "cpu_s": {"router": 1.0}, "window_s": 10}
+    run = {"run": "r", "wall_s": 1.0, "c1": [], "ceiling_order": ["raw-engine", "raw-engine-bound", "poolserve"],
+           "flood": [flood, {**flood, "setup": "stock-two-pools", "offline_tok_s": 25},
+                     {**flood, "setup": "stock-two-pools-bound", "offline_tok_s": 100}],
+           "ceiling": [{"path": "raw-engine", "output_tok_s": 200.0},
+                       {"path": "raw-engine-bound", "output_tok_s": 400.0},
+                       {"path": "poolserve", "output_tok_s": 100.0, "cpu_s_per_1k_tokens": {"router": 0.5}}]}
+    text = "\n".join(ceiling_section(run, "machine"))
+    assert ("| metric | poolserve | stock two pools | stock two pools, engine cores bound | "
+            "poolserve / stock two pools | poolserve / stock two pools, engine cores bound |") in text
+    assert "| offline tok/s | 50 | 25 | 100 | 2.00x [2.00–2.00] | 0.50x [0.50–0.50] |" in text
+    assert "| poolserve | 100 | 0.25x [0.25–0.25] |" in text
+    assert "`-bound` is that baseline with its engine core bound" in text
+
+
+def test_a_baseline_s_name_says_its_arm():
+    from bench.setups import arm
+
+    assert arm("vllm-server") == ("vllm-server", "free")
+    assert arm("vllm-server-bound") == ("vllm-server", "bound")
+    assert arm("stock-two-pools-bound") == ("stock-two-pools", "bound")
