@@ -36,8 +36,7 @@ import httpx
 
 from bench import intervals, procs
 from bench.common import KEYS, REPO, RESULTS
-from pools import nice
-from pools.reaper import descendants, engine_children, title
+from bench.setups import engine_processes, place
 
 CONFIG = REPO / "deployments" / "configs" / "local.yaml"
 BASE = "http://127.0.0.1:8000"
@@ -80,20 +79,14 @@ def engines() -> dict[str, list[int]]:
     out = {}
     for pool in POOLS:
         (replica,) = [pid for pid, role in roles.items() if role == f"replica poolserve-{pool}:pool-{pool}"]
-        out[pool] = descendants([pid for pid, _ in engine_children(replica)])
+        out[pool] = engine_processes(replica)
     return out
 
 
 def set_arm(arm: str, pools: dict[str, list[int]]) -> list[tuple[int, ...] | None]:
     """Each pool's engine core bound beside its workers, or freed to every core; the cores
     each engine process then has."""
-    every = os.sched_getaffinity(0)
-    for pids in pools.values():
-        if arm == "bound":
-            assert nice.bind_with_workers(pids), f"nothing to bind in {pids}: no cpu_threads_bind in {CONFIG}?"
-            continue
-        nice.bind([pid for pid in pids if not title(pid).startswith(nice.WORKER_PREFIX)], every)
-    return [nice.cores(pid) for pids in pools.values() for pid in pids]
+    return [cores for pids in pools.values() for cores in place(pids, arm)]
 
 
 def stream_round(raw: Path) -> dict:

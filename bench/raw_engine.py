@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from bench.setups import place
+    from bench.setups import engine_processes, place
 
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=2048, max_num_seqs=a.seqs,
               max_num_batched_tokens=a.batched, enable_chunked_prefill=True,
               kv_cache_memory_bytes=int(a.kv_gb * (1 << 30)))
-    cores = place(os.getpid(), a.placement)
+    cores = place(engine_processes(os.getpid()), a.placement)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(a.seed)  # random token ids, as `vllm bench serve --dataset-name random` sends
 

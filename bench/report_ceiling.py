@@ -81,7 +81,7 @@ def _ceiling(d: dict) -> list[str]:
         paths.setdefault(r["path"], []).append(r)
     if not paths:
         return []
-    raws = [[r["output_tok_s"] for r in paths[k]] for k in ("raw-engine", "raw-engine-bound") if k in paths]
+    raws = [[r["output_tok_s"] for r in paths[k]] for k in ("raw-engine", "raw-engine" + verdicts.BOUND) if k in paths]
     raw = max(raws, key=mean, default=[])  # the stronger arm
     lines = ["| path | output tok/s | vs the raw engine (its stronger arm) | CPU s per 1,000 output tokens "
              "(all processes) | top roles (CPU s per 1,000 tokens) |", "|---|---:|---:|---:|---|"]
@@ -109,7 +109,7 @@ def _ceiling(d: dict) -> list[str]:
     seeds = ("; the k-th round on every engine on the prompts of seed k, so that no engine finds a round's prompts "
              "in its prefix cache" if all("prompt_seed" in r for r in d.get("ceiling", [])) else "")
     bound = ("; a path ending in `-bound` is that baseline with its engine core bound beside its workers, "
-             "as poolserve binds its pools'" if any(p.endswith("-bound") for p in [*paths, *c1]) else "")
+             "as poolserve binds its pools'" if any(p.endswith(verdicts.BOUND) for p in [*paths, *c1]) else "")
     return ["**Ceiling**, one engine on core 1 with 64 sequences, each path in shuffled rounds "
             f"({d.get('ceiling_order')}){seeds}{bound}:", "", *lines, ""]
 

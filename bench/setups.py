@@ -21,11 +21,11 @@ import httpx
 
 from bench import procs
 from bench.common import KEYS, deploy, local_config, variant
+from bench.verdicts import BOUND
 
 ONLINE_SEQS, OFFLINE_SEQS, OFFLINE_NICE = 16, 32, 10
 CEILING_SEQS = 64
 VLLM_PORT = 8100
-BOUND = "-bound"  # a baseline's name with its engine core bound beside its workers; without: free
 
 
 def arm(name: str) -> tuple[str, str]:
@@ -34,16 +34,22 @@ def arm(name: str) -> tuple[str, str]:
     return (name[:-len(BOUND)], "bound") if name.endswith(BOUND) else (name, "free")
 
 
-def place(parent: int, placement: str) -> list[tuple[int, ...] | None]:
-    """The engine processes under `parent` (a stock replica, vLLM's server, the raw engine's
-    process) with their engine core bound beside its workers or free on every core this process
-    may use; the cores each engine process then has."""
-    from pools import nice
-    from pools.reaper import descendants, engine_children, title
+def engine_processes(parent: int) -> list[int]:
+    """vLLM's engine processes under `parent` (a replica, vLLM's server, the raw engine's
+    process): engine core, workers, and what runs under them."""
+    from pools.reaper import descendants, engine_children
 
-    engines = descendants([pid for pid, _ in engine_children(parent)])
+    return descendants([pid for pid, _ in engine_children(parent)])
+
+
+def place(engines: list[int], placement: str) -> list[tuple[int, ...] | None]:
+    """One engine's processes with its engine core bound beside its workers or free on every
+    core this process may use; the cores each of them then has."""
+    from pools import nice
+    from pools.reaper import title
+
     if placement == "bound":
-        assert nice.bind_with_workers(engines), f"no engine core to bind beside its workers under {parent}"
+        assert nice.bind_with_workers(engines), f"nothing to bind in {engines}: no cpu_threads_bind?"
     else:
         nice.bind([p for p in engines if not title(p).startswith(nice.WORKER_PREFIX)], os.sched_getaffinity(0))
     return [nice.cores(p) for p in engines]
@@ -57,7 +63,8 @@ def place_baseline(name: str, server: int | None = None) -> tuple[str, str, list
     path, placement = arm(name)
     parents = {"stock-two-pools": lambda: [stock_replica(r) for r in STOCK_TWO.values()],
                "stock-one-pool": lambda: [stock_replica(STOCK_ONE)], "vllm-server": lambda: [server]}
-    return path, placement, [cores for parent in parents.get(path, list)() for cores in place(parent, placement)]
+    placed = [place(engine_processes(parent), placement) for parent in parents.get(path, list)()]
+    return path, placement, [cores for engine in placed for cores in engine]
 
 
 def stock_replica(role: str) -> int:
@@ -136,13 +143,12 @@ STOCK_ONE = "stock-one:LLMServer:tiny-llama"
 
 def stock_two_pools() -> Target:
     from pools.nice import renice
-    from pools.reaper import descendants, engine_children
 
     cfg = local_config()["pools"]
     url = _deploy_stock("stock", [
         _llm_config("tiny-llama-online", ONLINE_SEQS, 2048, "0", cfg["online-chat"]["stream_batching_ms"]),
         _llm_config("tiny-llama-offline", OFFLINE_SEQS, 4096, "1", cfg["offline-batch"]["stream_batching_ms"])])
-    engines = descendants([pid for pid, _ in engine_children(stock_replica(STOCK_TWO["offline"]))])
+    engines = engine_processes(stock_replica(STOCK_TWO["offline"]))
     assert engines and renice(engines, OFFLINE_NICE), "no stock offline engine processes to renice"
     return Target("stock-two-pools", url, url, online_model="tiny-llama-online", offline_model="tiny-llama-offline")
 

@@ -22,7 +22,7 @@ from infra.results import ttfts_with_timeouts
 
 MIN_RUNS = 2
 OURS, STOCK = "poolserve", "stock-two-pools"
-BOUND = "-bound"  # as bench.setups names a baseline's arm with its engine core bound beside its workers
+BOUND = "-bound"  # a baseline's name with its engine core bound beside its workers (bench.setups.arm)
 # The ceiling rounds of the code before the pools answered their own HTTP (commit 78ede34: router
 # in front, Serve's Python proxy), `--rounds 0 --ceiling-rounds 2`: what "today's" serving CPU
 # was. Only its record is kept; bench/notes.md says when and where it ran.
@@ -72,13 +72,12 @@ def _read(path: Path):
 
 
 def stronger(arms: dict[str, list[list[float]]], stat, better: str) -> tuple[str, list[list[float]]]:
-    """Of a baseline's arms (free, bound) that have data, the one poolserve must beat: the best
-    `stat` over all its requests. ("", []) if none has."""
-    have = {k: v for k, v in arms.items() if v and all(v)}
-    if not have:
+    """Of a baseline's arms (free, bound), each with data, the one poolserve must beat: the best
+    `stat` over all its requests. ("", []) if there is none."""
+    if not arms:
         return "", []
-    pick = (min if better == "lower" else max)(have, key=lambda k: stat([x for r in have[k] for x in r]))
-    return pick, have[pick]
+    pick = (min if better == "lower" else max)(arms, key=lambda k: stat([x for r in arms[k] for x in r]))
+    return pick, arms[pick]
 
 
 def _arms(by: dict, baseline: str) -> dict:
@@ -90,9 +89,10 @@ def _judge(target: Target, ours: list[list[float]], theirs: list[list[float]] | 
     """`theirs` as a dict of a baseline's arms: judged against the stronger, named where both ran."""
     arm = ""
     if isinstance(theirs, dict):
-        both = sum(bool(v and all(v)) for v in theirs.values()) > 1
-        name, theirs = stronger(theirs, stat, target.better)
-        arm = f"the baseline's stronger arm: engine core {'bound' if name.endswith(BOUND) else 'free'}" if both else ""
+        have = {k: v for k, v in theirs.items() if v and all(v)}
+        name, theirs = stronger(have, stat, target.better)
+        placement = "bound" if name.endswith(BOUND) else "free"
+        arm = f"the baseline's stronger arm: engine core {placement}" if len(have) > 1 else ""
     runs = (len(ours),) if theirs is None else (len(ours), len(theirs))
     sides = [ours] if theirs is None else [ours, theirs]
     if any(not side or not all(side) for side in sides):
