@@ -376,11 +376,9 @@ def _profile_at_ceiling(out: dict, rounds: int, raw: Path, quiet: float, step) -
     pids = {role.split(":")[-1]: pid for pid, role in roles.items()
             if role in ("replica poolserve-offline-batch:pool-offline-batch", "HTTP proxy")}
     step(f"profiling {sorted(pids)}")
-    spy = threading.Thread(target=lambda: out.__setitem__(
-        "profiles", {k: str(v.relative_to(REPO)) for k, v in procs.profile(pids, 15, raw / "profile").items()}))
-    spy.start()
-    ceiling_round("poolserve", raw / "profile-run", rounds)  # prompts no round sent
-    spy.join()
+    with procs.profiling(pids, raw / "profile") as files:
+        ceiling_round("poolserve", raw / "profile-run", rounds)  # prompts no round sent
+    out["profiles"] = {k: str(v.relative_to(REPO)) for k, v in files.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,8 +10,11 @@ The load generators are named by the caller (their pids).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,14 +128,25 @@ def wait_quiet(max_cores: float, over_s: float = 2.0, timeout_s: float = 120.0) 
             raise TimeoutError(f"the machine stayed busy ({used:.2f} cores: {top}) for {timeout_s} s")
 
 
-def profile(pids: dict[str, int], seconds: float, raw: Path) -> dict[str, Path]:
-    """A py-spy profile (raw collapsed stacks) of each named process, taken together."""
+@contextmanager
+def profiling(pids: dict[str, int], raw: Path) -> Iterator[dict[str, Path]]:
+    """A py-spy profile (raw collapsed stacks) of each named process, taken together for as long
+    as the block runs: a fixed window ended before the load began wherever the client took
+    longer than it to start (bench/notes.md)."""
     spy = Path(sys.executable).parent / "py-spy"
-    runs = {name: subprocess.Popen([str(spy), "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                                    "--format", "raw", "--output", str(raw.with_suffix(f".{name}.txt")),
-                                    "--nonblocking", "--rate", "50"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            for name, pid in pids.items()}
-    for p in runs.values():
-        p.wait()
-    return {name: raw.with_suffix(f".{name}.txt") for name in pids}
+    files = {name: raw.with_suffix(f".{name}.txt") for name in pids}
+    runs = [subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw", "--output",
+                              str(files[name]), "--nonblocking", "--rate", "50"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
+    try:
+        yield files
+    finally:
+        for p in runs:
+            p.send_signal(signal.SIGINT)  # py-spy writes what it sampled when interrupted
+        for p in runs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
